@@ -1,0 +1,5 @@
+"""`enginetap guard` commands."""
+
+import typer
+
+app = typer.Typer(help="guard", no_args_is_help=True)

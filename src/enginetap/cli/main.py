@@ -1,0 +1,50 @@
+"""The ``enginetap`` command line: one sub-command group per capability."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from enginetap.cli import dataset, definitions, guard, models, replay
+from enginetap.errors import EnginetapError
+
+app = typer.Typer(
+    name="enginetap",
+    help="See, capture and verify what really runs inside LLM inference engines.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(models.app, name="models")
+app.add_typer(dataset.app, name="dataset")
+app.add_typer(definitions.app, name="definitions")
+app.add_typer(replay.app, name="replay")
+app.add_typer(guard.app, name="guard")
+
+err = Console(stderr=True)
+
+
+def main() -> None:
+    """Console-script entry: boundary errors become one clear message and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except EnginetapError as exc:
+        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

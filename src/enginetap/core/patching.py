@@ -1,0 +1,298 @@
+"""The one patching layer: every change enginetap makes to an engine goes through here.
+
+A target is ``"package.module:Qualname.attr"``. A :class:`Patch` resolves it, wraps the
+attribute with a :mod:`wrapt` ``FunctionWrapper`` and keeps the exact object it replaced
+(read from the owner's ``__dict__``, never through ``getattr``, so descriptors such as
+``staticmethod`` come back as they were). If the module is not imported yet the patch is
+installed by a post-import hook, i.e. before any importer can take a private
+``from module import f`` copy.
+
+Wrappers have wrapt's signature ``(wrapped, instance, args, kwargs)``. Errors raised by a
+wrapper are contained: they are recorded on the patch and logged once, and the original
+is called (or its result returned, if the wrapper already called it). Exceptions raised
+by the original itself propagate unchanged: they are the engine's, not ours.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+from enginetap.errors import PatchError
+
+logger = logging.getLogger("enginetap.patching")
+
+Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+
+__all__ = ["Patch", "PatchSet", "Target", "WrapperError", "bind_arguments", "call_signature"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed ``"module:Qualname.attr"`` path."""
+
+    module: str
+    qualname: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Target:
+        module, sep, qualname = spec.partition(":")
+        if not sep or not module or not qualname or any(not p for p in qualname.split(".")):
+            raise PatchError(
+                f"bad patch target {spec!r}",
+                "a target names a module and an attribute path separated by one colon",
+                "write it as 'package.module:Class.method' or 'package.module:function'",
+            )
+        return cls(module, qualname)
+
+    @property
+    def owner_path(self) -> list[str]:
+        return self.qualname.split(".")[:-1]
+
+    @property
+    def attribute(self) -> str:
+        return self.qualname.split(".")[-1]
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class WrapperError:
+    """One contained failure of a wrapper."""
+
+    target: str
+    error: str
+    traceback: str
+
+
+def _resolve_owner(target: Target) -> Any:
+    """Return the object that holds ``target.attribute`` (a module or a class)."""
+    owner: Any = sys.modules[target.module]
+    for part in target.owner_path:
+        try:
+            owner = vars(owner)[part] if part in vars(owner) else getattr(owner, part)
+        except (AttributeError, TypeError) as exc:
+            raise PatchError(
+                f"cannot resolve {target}",
+                f"{part!r} is missing on {owner!r}",
+                "check the target against the installed engine version",
+            ) from exc
+    return owner
+
+
+def _raw_attribute(owner: Any, name: str) -> tuple[Any, bool]:
+    """The attribute as stored (no descriptor binding) and whether ``owner`` holds it itself."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                return vars(klass)[name], klass is owner
+        raise AttributeError(name)
+    return vars(owner)[name], True
+
+
+class _TrackedCall:
+    """Calls the original once and remembers whether it ran, what it returned or raised."""
+
+    __slots__ = ("_wrapped", "called", "result", "raised")
+
+    def __init__(self, wrapped: Callable[..., Any]) -> None:
+        self._wrapped = wrapped
+        self.called = False
+        self.result: Any = None
+        self.raised: BaseException | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.called = True
+        try:
+            self.result = self._wrapped(*args, **kwargs)
+        except BaseException as exc:  # the engine's own error: re-raised unchanged
+            self.raised = exc
+            raise
+        return self.result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+@dataclass(eq=False)
+class Patch:
+    """One wrapper applied to one target; installable, uninstallable, error-containing.
+
+    Raises:
+        PatchError: on install, when the target's module imports but the attribute path
+            does not resolve, or the attribute is not callable.
+    """
+
+    target: Target
+    wrapper: Wrapper
+    max_errors: int = 32
+    errors: deque[WrapperError] = field(init=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _state: str = field(init=False, default="idle")  # idle | pending | installed
+    _owner: Any = field(init=False, default=None)
+    _original: Any = field(init=False, default=None)
+    _owned: bool = field(init=False, default=True)
+    _logged: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, str):
+            self.target = Target.parse(self.target)
+        self.errors = deque(maxlen=self.max_errors)
+
+    @property
+    def installed(self) -> bool:
+        return self._state == "installed"
+
+    @property
+    def pending(self) -> bool:
+        return self._state == "pending"
+
+    @property
+    def original(self) -> Any:
+        """The exact object the patch replaced (None until installed)."""
+        return self._original
+
+    def install(self) -> Patch:
+        """Install now if the module is imported, else when it is first imported."""
+        with self._lock:
+            if self._state != "idle":
+                return self
+            if self.target.module in sys.modules:
+                self._apply()
+            else:
+                self._state = "pending"
+                wrapt.register_post_import_hook(self._on_import, self.target.module)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the exact original; a pending patch is cancelled."""
+        with self._lock:
+            if self._state == "installed":
+                if self._owned:
+                    setattr(self._owner, self.target.attribute, self._original)
+                else:
+                    delattr(self._owner, self.target.attribute)
+            self._state = "idle"
+            self._owner = self._original = None
+
+    def _on_import(self, module: Any) -> None:
+        with self._lock:
+            if self._state != "pending":
+                return
+            try:
+                self._apply()
+            except PatchError as exc:
+                # A post-import hook must not break the engine's import: report, stay off.
+                self._state = "idle"
+                self._record(exc)
+
+    def _apply(self) -> None:
+        owner = _resolve_owner(self.target)
+        try:
+            original, owned = _raw_attribute(owner, self.target.attribute)
+        except (AttributeError, KeyError) as exc:
+            raise PatchError(
+                f"cannot patch {self.target}",
+                f"{self.target.attribute!r} does not exist on {owner!r}",
+                "check the target against the installed engine version",
+            ) from exc
+        if not (callable(original) or isinstance(original, (staticmethod, classmethod))):
+            raise PatchError(f"cannot patch {self.target}", f"{original!r} is not callable")
+        setattr(owner, self.target.attribute, wrapt.FunctionWrapper(original, self._call))
+        self._owner, self._original, self._owned = owner, original, owned
+        self._state = "installed"
+
+    def _call(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        call = _TrackedCall(wrapped)
+        try:
+            return self.wrapper(call, instance, args, kwargs)
+        except Exception as exc:
+            if call.raised is not None:
+                raise call.raised from None
+            self._record(exc)
+            if call.called:
+                return call.result
+            return wrapped(*args, **kwargs)
+
+    def _record(self, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.errors.append(WrapperError(str(self.target), repr(exc), tb))
+        if not self._logged:
+            self._logged = True
+            logger.error("enginetap: wrapper for %s failed (engine call went on): %s\n%s",
+                         self.target, exc, tb)
+
+
+class PatchSet:
+    """A named group of patches installed and removed together (one capability)."""
+
+    def __init__(self, name: str, patches: Iterable[Patch] = ()) -> None:
+        self.name = name
+        self.patches: list[Patch] = list(patches)
+
+    def add(self, target: str | Target, wrapper: Wrapper) -> Patch:
+        patch = Patch(Target.parse(target) if isinstance(target, str) else target, wrapper)
+        self.patches.append(patch)
+        return patch
+
+    def install(self) -> PatchSet:
+        done: list[Patch] = []
+        try:
+            for patch in self.patches:
+                done.append(patch.install())
+        except PatchError:
+            for patch in reversed(done):
+                patch.uninstall()
+            raise
+        return self
+
+    def uninstall(self) -> None:
+        for patch in reversed(self.patches):
+            patch.uninstall()
+
+    def errors(self) -> list[WrapperError]:
+        return [e for p in self.patches for e in p.errors]
+
+    def __enter__(self) -> PatchSet:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+_SIGNATURES: dict[tuple[Any, bool], inspect.Signature] = {}
+
+
+def call_signature(function: Callable[..., Any]) -> inspect.Signature:
+    """The signature of ``function`` as called, computed once per underlying function.
+
+    A bound method (what wrapt passes as ``wrapped`` for instance methods) is keyed by its
+    ``__func__`` so that the cache hits across instances; its first parameter is dropped.
+    """
+    func = getattr(function, "__func__", None)
+    bound = func is not None
+    key = (func if bound else function, bound)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = inspect.signature(key[0])
+        if bound:
+            sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+        _SIGNATURES[key] = sig
+    return sig
+
+
+def bind_arguments(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments of one call by parameter name, defaults applied."""
+    bound = call_signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)

@@ -1,0 +1,1 @@
+"""(family module: being written)"""
