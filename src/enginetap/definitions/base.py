@@ -100,10 +100,18 @@ class Template:
     tags: tuple[str, ...] = ()
     engines: tuple[str, ...] = ()
     """Engines here whose kernels this family describes (empty: seed-only family)."""
+    example: Mapping[str, Any] = field(default_factory=dict)
+    """Const axes (and params) of a small, valid instance: docs, demo and tests use it."""
+    example_axes: Mapping[str, int] = field(default_factory=dict)
+    """Var-axis values of a small synthetic workload of :attr:`example`."""
 
     @property
     def const_axes(self) -> list[str]:
         return [k for k, a in self.axes.items() if a.kind == "const"]
+
+    def example_definition(self) -> Definition:
+        """The definition of :attr:`example` (small shapes)."""
+        return self.instantiate(**self.example)
 
     def rule(self, output: str) -> CompareRule:
         return self.compare.get(output, CompareRule())
