@@ -1,0 +1,180 @@
+"""The patching layer on real transformers functions and on fresh modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers.models.llama.modeling_llama as llama
+
+from enginetap.core.patching import Patch, PatchSet, Target, bind_arguments
+from enginetap.errors import PatchError
+
+RMS = "transformers.models.llama.modeling_llama:LlamaRMSNorm.forward"
+
+
+def _norm() -> tuple[llama.LlamaRMSNorm, torch.Tensor]:
+    torch.manual_seed(0)
+    norm = llama.LlamaRMSNorm(16)
+    norm.weight.data.normal_(1.0, 0.1)
+    return norm, torch.randn(3, 16)
+
+
+def test_install_call_uninstall_restores_exact_original():
+    original = vars(llama.LlamaRMSNorm)["forward"]
+    norm, x = _norm()
+    expected = norm(x)
+    seen = []
+
+    def spy(wrapped, instance, args, kwargs):
+        seen.append((instance, bind_arguments(wrapped, args, kwargs)["hidden_states"].shape))
+        return wrapped(*args, **kwargs)
+
+    patch = Patch(RMS, spy).install()
+    assert patch.installed and patch.original is original
+    assert vars(llama.LlamaRMSNorm)["forward"] is not original
+    assert torch.equal(norm(x), expected)
+    assert seen == [(norm, torch.Size([3, 16]))]
+    patch.uninstall()
+    assert vars(llama.LlamaRMSNorm)["forward"] is original
+    assert torch.equal(norm(x), expected) and len(seen) == 1
+
+
+def test_module_function_patch_and_restore():
+    original = llama.rotate_half
+    calls = []
+    patch = Patch("transformers.models.llama.modeling_llama:rotate_half",
+                  lambda w, i, a, k: calls.append(1) or w(*a, **k)).install()
+    x = torch.randn(2, 8)
+    assert torch.equal(llama.rotate_half(x), original(x)) and calls == [1]
+    patch.uninstall()
+    assert llama.rotate_half is original
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_wrapper_error_is_contained_and_original_runs_once(where):
+    norm, x = _norm()
+    expected = norm(x)
+    runs = []
+
+    def broken(wrapped, instance, args, kwargs):
+        if where == "before":
+            raise RuntimeError("wrapper bug before the call")
+        out = wrapped(*args, **kwargs)
+        runs.append(1)
+        raise RuntimeError("wrapper bug after the call")
+
+    with PatchSet("t", [Patch(RMS, broken)]) as ps:
+        out = norm(x)
+        assert torch.equal(out, expected)
+        errors = ps.errors()
+    assert len(errors) == 1 and "wrapper bug" in errors[0].error
+    assert runs == ([] if where == "before" else [1])
+
+
+def test_engine_exception_propagates_unchanged():
+    norm, _ = _norm()
+
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    with PatchSet("t", [Patch(RMS, passthrough)]) as ps:
+        with pytest.raises(RuntimeError) as info:
+            norm(torch.randn(3, 7))  # wrong hidden size: the engine's own error
+        assert ps.errors() == []
+    assert "size" in str(info.value)
+
+
+def test_descriptors_and_inherited_attributes_restore(tmp_path, monkeypatch):
+    (tmp_path / "et_fixture_mod.py").write_text(textwrap.dedent("""
+        class Base:
+            def inherited(self, x):
+                return x + 1
+        class Child(Base):
+            @staticmethod
+            def smethod(x):
+                return x * 2
+            @classmethod
+            def cmethod(cls, x):
+                return (cls.__name__, x)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import et_fixture_mod as mod
+
+    raw_static = vars(mod.Child)["smethod"]
+    raw_class = vars(mod.Child)["cmethod"]
+    add10 = lambda w, i, a, k: w(*a, **k) + 10  # noqa: E731
+    tag = lambda w, i, a, k: ("patched", w(*a, **k))  # noqa: E731
+    patches = PatchSet("d")
+    patches.add("et_fixture_mod:Child.smethod", add10)
+    patches.add("et_fixture_mod:Child.cmethod", tag)
+    patches.add("et_fixture_mod:Child.inherited", add10)
+    with patches:
+        assert mod.Child.smethod(3) == 16 and mod.Child().smethod(3) == 16
+        assert mod.Child.cmethod(1) == ("patched", ("Child", 1))
+        assert mod.Child().inherited(1) == 12 and mod.Base().inherited(1) == 2
+    assert vars(mod.Child)["smethod"] is raw_static and vars(mod.Child)["cmethod"] is raw_class
+    assert "inherited" not in vars(mod.Child) and mod.Child().inherited(1) == 2
+
+
+def test_post_import_hook_lands_before_from_import_copies():
+    # A fresh interpreter, so the target module is not imported yet.
+    code = textwrap.dedent("""
+        import sys
+        from enginetap.core.patching import Patch
+        name = "transformers.models.qwen3.modeling_qwen3"
+        assert name not in sys.modules
+        p = Patch(name + ":rotate_half", lambda w, i, a, k: "patched").install()
+        assert p.pending and not p.installed
+        from transformers.models.qwen3.modeling_qwen3 import rotate_half
+        assert p.installed
+        print(rotate_half(None))
+        original = p.original
+        p.uninstall()
+        import transformers.models.qwen3.modeling_qwen3 as m
+        assert m.rotate_half is original
+        print(type(m.rotate_half).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["patched", "function"]
+
+
+def test_pending_patch_cancelled_by_uninstall():
+    code = textwrap.dedent("""
+        from enginetap.core.patching import Patch
+        p = Patch("transformers.models.mistral.modeling_mistral:rotate_half",
+                  lambda w, i, a, k: "patched").install()
+        p.uninstall()
+        from transformers.models.mistral.modeling_mistral import rotate_half
+        print(type(rotate_half).__name__, p.installed)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["function", "False"]
+
+
+@pytest.mark.parametrize("spec", ["nocolon", "mod:", ":attr", "mod:a..b", "a:b:c."])
+def test_bad_targets_are_refused_with_a_fix(spec):
+    with pytest.raises(PatchError) as info:
+        Target.parse(spec)
+    assert "Fix:" in str(info.value)
+
+
+def test_unresolvable_target_rolls_back_the_set():
+    original = vars(llama.LlamaRMSNorm)["forward"]
+    ps = PatchSet("t")
+    ps.add(RMS, lambda w, i, a, k: w(*a, **k))
+    ps.add("transformers.models.llama.modeling_llama:LlamaRMSNorm.no_such_method",
+           lambda w, i, a, k: w(*a, **k))
+    with pytest.raises(PatchError, match="no_such_method"):
+        ps.install()
+    assert vars(llama.LlamaRMSNorm)["forward"] is original
+
+
+def test_bind_arguments_names_and_defaults():
+    bound = bind_arguments(llama.apply_rotary_pos_emb, (1, 2, 3, 4), {})
+    assert bound == {"q": 1, "k": 2, "cos": 3, "sin": 4, "unsqueeze_dim": 1}
