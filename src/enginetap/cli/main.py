@@ -28,9 +28,10 @@ err = Console(stderr=True)
 def main() -> None:
     """Console-script entry: boundary errors become one clear message and exit code 2."""
     try:
-        app(standalone_mode=False)
+        # Non-standalone mode returns a command's exit code (typer.Exit) instead of raising.
+        rc = app(standalone_mode=False)
     except EnginetapError as exc:
-        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -44,6 +45,7 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,221 @@
+"""Validate a dataset: every problem, one line each, with its location.
+
+Checked: definition files parse and sit at ``definitions/<op_type>/<name>.json``; every
+workload line parses, names a known definition and sits in that definition's JSONL file;
+its axes are exactly the definition's var axes and satisfy its constraints; its inputs are
+exactly the definition's, scalars as scalars and tensors in blobs that exist, open, hold
+the key, and agree in shape and dtype; the engine outputs likewise; uuids are unique.
+
+Blobs are checked through their safetensors header (which safetensors verifies against
+the file size), not by reading tensor data. A blob no line references is a problem too:
+it is what a crash between writing a blob and appending its line leaves behind, and the
+fix is to delete it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from enginetap.dataset.checks import coerce_scalar
+from enginetap.dataset.constraints import violations
+from enginetap.dataset.dtypes import from_header
+from enginetap.dataset.paths import definition_relpath, resolve_within, workloads_relpath
+from enginetap.dataset.scan import DefinitionFile, LineRecord, read_definitions, scan_workloads
+from enginetap.dataset.schema import (
+    Definition, RandomInput, SafetensorsInput, ScalarInput, TensorSpec, WorkloadLine,
+)
+from enginetap.dataset.store import Dataset
+from enginetap.errors import DatasetError
+
+__all__ = ["validate_dataset"]
+
+Header = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def validate_dataset(root: str | Path) -> list[str]:
+    """Every problem of the dataset at ``root``, one line each; ``[]`` when it is valid.
+
+    Bad data never raises; it becomes a problem line.
+
+    Raises:
+        DatasetError: ``root`` is not an existing directory.
+    """
+    base = Dataset(root).root
+    files, problems = read_definitions(base)
+    problems += [p for f in files for p in _misplaced_definition(f)]
+    by_name = {f.definition.name: f.definition for f in files}
+    records, bad_lines = scan_workloads(base)
+    problems += bad_lines
+    blobs = _Blobs(base)
+    first_seen: dict[str, str] = {}
+    for record in records:
+        blobs.mark(record.line)
+        problems += _check_record(record, by_name, blobs, first_seen)
+    return problems + blobs.orphans()
+
+
+def _misplaced_definition(found: DefinitionFile) -> list[str]:
+    d = found.definition
+    expected = _layout_path(definition_relpath, d.op_type, d.name)
+    if found.rel == expected:
+        return []
+    return [f"{found.rel}: definition {d.name!r} of op_type {d.op_type!r} belongs at {expected}"]
+
+
+def _layout_path(layout: Callable[[str, str], str], op_type: str, name: str) -> str:
+    try:
+        return layout(op_type, name)
+    except DatasetError as exc:
+        return f"<none: {exc.what}>"
+
+
+def _check_record(record: LineRecord, by_name: Mapping[str, Definition], blobs: _Blobs,
+                  first_seen: dict[str, str]) -> list[str]:
+    where, line = record.where, record.line
+    problems = []
+    uuid = line.workload.uuid
+    if uuid in first_seen:
+        problems.append(f"{where}: duplicate uuid {uuid!r} (first at {first_seen[uuid]})")
+    first_seen.setdefault(uuid, where)
+    definition = by_name.get(line.definition)
+    if definition is None:
+        return problems + [f"{where}: unknown definition {line.definition!r} (no definition "
+                           f"file holds it; known: {sorted(by_name) or 'none'})"]
+    expected = _layout_path(workloads_relpath, definition.op_type, definition.name)
+    if record.rel != expected:
+        problems.append(f"{where}: line for {definition.name!r} belongs in {expected}")
+    axes_ok = _check_axes(where, definition, line.workload.axes, problems)
+    axes = line.workload.axes if axes_ok else None
+    _check_inputs(where, definition, line, axes, blobs, problems)
+    _check_outputs(where, definition, line, axes, blobs, problems)
+    return problems
+
+
+def _check_axes(where: str, definition: Definition, axes: Mapping[str, int],
+                problems: list[str]) -> bool:
+    var = definition.var_axes
+    missing = [a for a in var if a not in axes]
+    extra = [a for a in axes if a not in var]
+    if missing:
+        problems.append(f"{where}: axes lack the definition's var axes {missing}")
+    if extra:
+        problems.append(f"{where}: axes {extra} are not var axes of {definition.name!r} "
+                        f"(its var axes: {var})")
+    if missing or extra:
+        return False
+    problems += [f"{where}: {v}" for v in violations(definition.constraints,
+                                                      {**definition.const_axes, **axes})]
+    return True
+
+
+def _check_inputs(where: str, definition: Definition, line: WorkloadLine,
+                  axes: Mapping[str, int] | None, blobs: _Blobs, problems: list[str]) -> None:
+    stored = line.workload.inputs
+    missing = [n for n in definition.inputs if n not in stored]
+    extra = [n for n in stored if n not in definition.inputs]
+    if missing:
+        problems.append(f"{where}: inputs {missing} are missing")
+    if extra:
+        problems.append(f"{where}: inputs {extra} are not inputs of {definition.name!r}")
+    for name, spec in definition.inputs.items():
+        value = stored.get(name)
+        label = f"{where}: input {name!r}"
+        if value is None or isinstance(value, RandomInput):
+            continue  # missing: reported above; random: valid FlashInfer-Trace, nothing stored
+        if spec.shape is None:
+            problems += _check_scalar(label, spec, value)
+        elif isinstance(value, ScalarInput):
+            problems.append(f"{label}: is a tensor {spec.shape} but stored as a scalar")
+        else:
+            problems += blobs.check(label, value, _shape(definition, spec, axes), spec.dtype)
+
+
+def _check_scalar(label: str, spec: TensorSpec, value: SafetensorsInput | ScalarInput) -> list[str]:
+    if not isinstance(value, ScalarInput):
+        return [f"{label}: is a scalar but stored as {value.type!r}"]
+    _, why = coerce_scalar(spec.dtype, value.value)
+    return [f"{label}: {value.value!r} is not a scalar of dtype {spec.dtype} ({why})"] if why else []
+
+
+def _check_outputs(where: str, definition: Definition, line: WorkloadLine,
+                   axes: Mapping[str, int] | None, blobs: _Blobs, problems: list[str]) -> None:
+    stored = line.enginetap.outputs.tensors if line.enginetap else {}
+    for name, ref in stored.items():
+        spec = definition.outputs.get(name)
+        if spec is None:
+            problems.append(f"{where}: engine output {name!r} is not an output of "
+                            f"{definition.name!r} (its outputs: {list(definition.outputs)})")
+        else:
+            problems += blobs.check(f"{where}: engine output {name!r}", ref,
+                                    _shape(definition, spec, axes), spec.dtype)
+
+
+def _shape(definition: Definition, spec: TensorSpec,
+           axes: Mapping[str, int] | None) -> tuple[int, ...] | None:
+    """Expected shape, or None when the line's axes are broken (already reported)."""
+    return None if axes is None else definition.shape_of(spec, dict(axes)) or ()
+
+
+class _Blobs:
+    """Blob headers read once each, and which blob files some line references."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.headers: dict[Path, Header | str] = {}
+        self.referenced: set[Path] = set()
+
+    def mark(self, line: WorkloadLine) -> None:
+        refs = [v for v in line.workload.inputs.values() if isinstance(v, SafetensorsInput)]
+        refs += line.enginetap.outputs.tensors.values() if line.enginetap else []
+        for ref in refs:
+            try:
+                self.referenced.add(resolve_within(self.root, ref.path))
+            except DatasetError:
+                continue  # an unsafe path is reported where the line is checked
+
+    def check(self, label: str, ref: SafetensorsInput, shape: tuple[int, ...] | None,
+              dtype: str) -> list[str]:
+        try:
+            header = self._header(resolve_within(self.root, ref.path))
+        except DatasetError as exc:
+            return [f"{label}: {exc}"]
+        if isinstance(header, str):
+            return [f"{label}: blob {ref.path} {header}"]
+        if ref.tensor_key not in header:
+            return [f"{label}: blob {ref.path} has no tensor {ref.tensor_key!r}"]
+        got_dtype, got_shape = header[ref.tensor_key]
+        problems = []
+        if shape is not None and got_shape != shape:
+            problems.append(f"{label}: expected shape {list(shape)}, blob {ref.path} holds "
+                            f"{list(got_shape)}")
+        if got_dtype != dtype:
+            problems.append(f"{label}: expected dtype {dtype}, blob {ref.path} holds {got_dtype}")
+        return problems
+
+    def _header(self, path: Path) -> Header | str:
+        if path not in self.headers:
+            self.headers[path] = _read_header(path)
+        return self.headers[path]
+
+    def orphans(self) -> list[str]:
+        base = self.root / "blob"
+        if not base.is_dir():
+            return []
+        files = sorted(p for p in base.rglob("*") if p.is_file() or p.is_symlink())
+        return [f"{p.relative_to(self.root).as_posix()}: orphan blob (no workload line "
+                "references it, e.g. left by an interrupted write); delete it"
+                for p in files if p.resolve() not in self.referenced]
+
+
+def _read_header(path: Path) -> Header | str:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return "is missing"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: from_header(f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
+                    for k in f.keys()}
+    except (OSError, SafetensorError) as exc:
+        return f"cannot be read ({exc})"
