@@ -66,12 +66,17 @@ class CompareRule:
     ``selection``: the last dimension is an unordered set of indices (top-k ids); rows are
     compared as sets. With ``scores`` naming an input, an index that differs is still
     accepted when its score ties (within ``atol``) with the score of the index it replaced.
+
+    ``paired_with`` (on a ``float`` or ``exact`` output) names a ``selection`` output whose
+    rows index this one (top-k weights beside top-k ids): engines list a row's selection in
+    any order, so before comparing, each row of both sides is reordered by its own ids.
     """
 
     kind: Literal["float", "exact", "selection"] = "float"
     atol: float | None = None
     rtol: float | None = None
     scores: str | None = None
+    paired_with: str | None = None
 
 
 Generator = Callable[[Definition, Mapping[str, int], "torch.Generator", str], dict[str, Any]]
@@ -154,7 +159,9 @@ class Template:
                 f"give exactly the const axes {self.const_axes} and optionally params "
                 f"{sorted(self.params)}")
         consts = {k: int(values[k]) for k in self.const_axes}
-        params = {k: values.get(k, d) for k, d in self.params.items()}
+        # Params take their default's type, so the header and the tags read back agree
+        # (an int 2 given for a float param is written and re-read as 2.0).
+        params = {k: _as_type_of(d, values.get(k, d)) for k, d in self.params.items()}
         return consts, params
 
     @staticmethod
@@ -175,6 +182,17 @@ class Template:
 
         gen = torch.Generator(device=device).manual_seed(seed)
         return self.generate(definition, axes, gen, device)
+
+
+def _as_type_of(default: Any, value: Any) -> Any:
+    if isinstance(default, bool) or default is None or isinstance(value, type(default)):
+        return value
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise DefinitionError(f"parameter value {value!r} is not a {type(default).__name__}",
+                              fix=f"pass a {type(default).__name__} like the default {default!r}"
+                              ) from None
 
 
 _REGISTRY: dict[str, Template] = {}

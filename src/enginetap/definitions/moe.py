@@ -1,1 +1,229 @@
-"""(family module: being written)"""
+"""Mixture-of-experts families: softmax and grouped-sigmoid routers, SwiGLU experts.
+
+Routers return ``(topk_weights float32, topk_ids int32)`` in one canonical order: each row
+sorted by descending weight, ties by ascending expert id. Engines list their picks in any
+order (vLLM's ``torch.topk(..., sorted=False)``), so ids are compared as sets and weights
+only after the engine's ``(id, weight)`` pairs are put into that same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from enginetap.dataset.schema import Definition
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EXPERTS_SWIGLU", "TOPK_GROUPED_SIGMOID", "TOPK_SOFTMAX"]
+
+_ORDER = ("Rows are in canonical order: descending weight, ties by ascending expert id; "
+          "selection ties (equal scores) go to the lower expert id. Replay compares "
+          "topk_ids as sets and topk_weights after sorting the engine's (id, weight) pairs "
+          "of each row into the same order.")
+
+
+def _dtype(definition: Definition, name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, definition.inputs[name].dtype)
+
+
+def _boundary_pairs(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the expert ranked last inside the top ``k`` and the one ranked first outside."""
+    import torch
+
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[:, k - 1], order[:, k]
+
+
+def _softmax_router_inputs(definition: Definition, axes: Mapping[str, int],
+                           gen: torch.Generator, device: str) -> dict[str, Any]:
+    import torch
+
+    consts = definition.const_axes
+    n, e, k = axes["num_tokens"], consts["num_experts"], consts["top_k"]
+    dtype = _dtype(definition, "router_logits")
+    logits = (torch.randn(n, e, generator=gen, device=device) * 2.0).to(dtype)
+    if k < e:
+        inside, outside = _boundary_pairs(logits.float(), k)
+        rows = torch.arange(n, device=device)
+        exact, near = rows[1::4], rows[2::4]
+        # Exact ties at the top-k boundary (the lower expert id wins) and near-ties one
+        # representable step apart: the cases where a router's tie rule shows.
+        logits[exact, outside[exact]] = logits[exact, inside[exact]]
+        below = torch.full((len(near),), float("-inf"), dtype=dtype, device=device)
+        logits[near, outside[near]] = torch.nextafter(logits[near, inside[near]], below)
+    return {"router_logits": logits}
+
+
+def _grouped_router_inputs(definition: Definition, axes: Mapping[str, int],
+                           gen: torch.Generator, device: str) -> dict[str, Any]:
+    import torch
+
+    consts = definition.const_axes
+    n, e, k = axes["num_tokens"], consts["num_experts"], consts["top_k"]
+    dtype = _dtype(definition, "router_logits")
+    logits = torch.randn(n, e, generator=gen, device=device, dtype=torch.float64) * 1.5
+    bias = (torch.rand(e, generator=gen, device=device, dtype=torch.float64) - 0.5) * 0.2
+    if k < e:
+        # Every third row: the first expert outside the (ungrouped) top-k gets a biased
+        # score 1e-4 below the last one inside, through its logit.
+        biased = torch.sigmoid(logits) + bias
+        inside, outside = _boundary_pairs(biased, k)
+        rows = torch.arange(1, n, 3, device=device)
+        target = biased[rows, inside[rows]] - 1e-4 - bias[outside[rows]]
+        ok = (target > 1e-3) & (target < 1 - 1e-3)
+        rows, target = rows[ok], target[ok]
+        logits[rows, outside[rows]] = torch.log(target / (1 - target))
+    return {"router_logits": logits.to(dtype), "e_score_correction_bias": bias.float()}
+
+
+def _experts_inputs(definition: Definition, axes: Mapping[str, int],
+                    gen: torch.Generator, device: str) -> dict[str, Any]:
+    import torch
+
+    c = definition.const_axes
+    n, e, h, k = axes["num_tokens"], c["num_experts"], c["hidden_size"], c["top_k"]
+    i = c["intermediate_size"]
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
+
+    # Distinct experts per token, as every router produces.
+    ids = torch.rand(n, e, generator=gen, device=device).argsort(dim=-1)[:, :k]
+    weights = torch.rand(n, k, generator=gen, device=device) + 0.05
+    return {
+        "hidden_states": randn(n, h),
+        "w13": randn(e, c["gemm1_out_size"], h, scale=h ** -0.5),
+        "w2": randn(e, h, i, scale=i ** -0.5),
+        "topk_weights": weights / weights.sum(dim=-1, keepdim=True),
+        "topk_ids": ids.to(torch.int32),
+    }
+
+
+_ROUTER_OUTPUTS = {
+    "topk_weights": Tensor(("num_tokens", "top_k"), "float32",
+                           "Routing weight of each chosen expert (canonical order)."),
+    "topk_ids": Tensor(("num_tokens", "top_k"), "int32", "Chosen expert ids (canonical order)."),
+}
+
+TOPK_SOFTMAX = register(Template(
+    family="moe_topk_softmax",
+    op_type="moe_router",
+    name="moe_topk_softmax_e{num_experts}_topk{top_k}_norm{renormalize:d}_{logits_dtype}",
+    description=(
+        "Softmax top-k MoE router (Mixtral, Qwen2/3-MoE, Qwen3-Next): probabilities = "
+        "softmax(router_logits) in float32; the top_k experts by logit are chosen; with "
+        "renormalize (Qwen3's norm_topk_prob) their probabilities are divided by their sum. "
+        + _ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math in "
+        "`_softmax_topk`, which computes in the logits dtype); transformers "
+        "`Qwen3MoeTopKRouter` (returns bf16 weights)."),
+    axes={"num_tokens": var("Tokens routed in this call."),
+          "num_experts": const("Routed experts (global)."),
+          "top_k": const("Experts chosen per token.")},
+    inputs={"router_logits": Tensor(("num_tokens", "num_experts"), "{logits_dtype}",
+                                    "Gate logits, one per expert.")},
+    outputs=_ROUTER_OUTPUTS,
+    reference="moe_topk_softmax.py",
+    generate=_softmax_router_inputs,
+    # Engines compute in the logits dtype: vLLM CPU's exp(logit - logsumexp) in bf16 (when
+    # not renormalizing) is off by up to ~3%, transformers casts weights back to bf16.
+    compare={"topk_ids": CompareRule(kind="selection", scores="router_logits"),
+             "topk_weights": CompareRule(atol=1e-5, rtol=4e-2)},
+    params={"renormalize": True, "logits_dtype": "bfloat16"},
+    constraints=("top_k <= num_experts",),
+    tags=("stage:moe_router",),
+    engines=("vllm", "transformers"),
+    example={"num_experts": 8, "top_k": 2},
+    example_axes={"num_tokens": 16},
+))
+
+TOPK_GROUPED_SIGMOID = register(Template(
+    family="moe_topk_grouped_sigmoid",
+    op_type="moe_router",
+    name=("moe_topk_grouped_sigmoid_e{num_experts}_topk{top_k}_ng{n_group}_kg{topk_group}"
+          "_norm{renormalize:d}_rs{routed_scaling_factor:g}_{logits_dtype}"),
+    description=(
+        "DeepSeek-V3 'noaux_tc' grouped router (also GLM-4-MoE, DeepSeek-V3.2): scores = "
+        "sigmoid(router_logits) in float32; selection uses scores + e_score_correction_bias: "
+        "a group's score is the sum of its two best biased scores, the topk_group best groups "
+        "are kept, and the top_k best biased experts inside them are chosen. Weights are the "
+        "unbiased scores of the chosen experts, divided by their sum if renormalize, then "
+        "multiplied by routed_scaling_factor. Group ties also go to the lower group id. "
+        + _ORDER + " Engine mapping: transformers `DeepseekV3TopkRouter` applies the "
+        "model's routed_scaling_factor in the router (instantiate with it). vLLM CPU "
+        "`CPURouter.select_experts` (EPLB off; math in `_grouped_topk`) gets routed_scaling_factor=1.0 "
+        "for DeepSeek-V3 (apply_routed_scale_to_output: the MoE runner scales the combined "
+        "output instead), so its outputs match routed_scaling_factor=1.0; read the router's "
+        "own `routed_scaling_factor` when instantiating."),
+    axes={"num_tokens": var("Tokens routed in this call."),
+          "num_experts": const("Routed experts (global)."),
+          "top_k": const("Experts chosen per token."),
+          "n_group": const("Expert groups; experts are split into equal consecutive groups."),
+          "topk_group": const("Groups kept per token.")},
+    inputs={"router_logits": Tensor(("num_tokens", "num_experts"), "{logits_dtype}",
+                                    "Gate logits, one per expert."),
+            "e_score_correction_bias": Tensor(("num_experts",), "float32",
+                                              "Per-expert bias added for selection only.")},
+    outputs=_ROUTER_OUTPUTS,
+    reference="moe_topk_grouped_sigmoid.py",
+    generate=_grouped_router_inputs,
+    # The selection score (sigmoid + bias) is not an input, so ids must match as sets.
+    compare={"topk_ids": CompareRule(kind="selection"),
+             "topk_weights": CompareRule(atol=1e-6, rtol=1e-5)},
+    params={"renormalize": True, "routed_scaling_factor": 1.0, "logits_dtype": "float32"},
+    constraints=("num_experts % n_group == 0", "num_experts // n_group >= 2",
+                 "topk_group <= n_group", "top_k <= topk_group * (num_experts // n_group)"),
+    tags=("stage:moe_router",),
+    engines=("vllm", "transformers"),
+    example={"num_experts": 8, "top_k": 2, "n_group": 4, "topk_group": 2},
+    example_axes={"num_tokens": 16},
+))
+
+EXPERTS_SWIGLU = register(Template(
+    family="moe_experts_swiglu",
+    op_type="moe",
+    name="moe_experts_swiglu_e{num_experts}_h{hidden_size}_i{intermediate_size}_topk{top_k}",
+    description=(
+        "Routed SwiGLU experts (no shared expert): for each token and each of its top_k "
+        "(expert id, weight) pairs, gate_up = x @ w13[e].T with gate = the first "
+        "intermediate_size rows of w13[e] and up = the rest (vLLM's and transformers' "
+        "[gate | up] layout), act = silu(gate) * up stored in bf16, y = act @ w2[e].T; the "
+        "output is the float32 sum of weight * y over the token's pairs, cast to bf16. Ids "
+        "must be in [0, num_experts). Engine mapping: vLLM CPU `cpu_fused_moe(out, input, "
+        "w13, w2, w13_bias=None, w2_bias=None, topk_weights, topk_ids, act='silu', isa, "
+        "skip_weighted=False)` with `out` read after the call; its w13/w2 arrive prepacked "
+        "by `cpu_prepack_moe_weight` (and the intermediate size zero-padded to a multiple "
+        "of 32), so capture must record the unpacked [E, 2I, H] / [E, H, I] weights. "
+        "transformers `*Experts.forward(hidden_states, top_k_index, top_k_weights)` with "
+        "w13 = gate_up_proj, w2 = down_proj (it computes in bf16 throughout)."),
+    axes={"num_tokens": var("Tokens in this call."),
+          "num_experts": const("Experts held by this rank."),
+          "hidden_size": const("Model hidden size."),
+          "intermediate_size": const("Per-expert intermediate size (per TP rank)."),
+          "gemm1_out_size": const("Rows of w13: 2 * intermediate_size."),
+          "top_k": const("Experts per token.")},
+    inputs={
+        "hidden_states": Tensor(("num_tokens", "hidden_size"), "bfloat16", "Expert input."),
+        "w13": Tensor(("num_experts", "gemm1_out_size", "hidden_size"), "bfloat16",
+                      "Fused gate and up projections, gate first."),
+        "w2": Tensor(("num_experts", "hidden_size", "intermediate_size"), "bfloat16",
+                     "Down projections."),
+        "topk_weights": Tensor(("num_tokens", "top_k"), "float32", "Routing weights."),
+        "topk_ids": Tensor(("num_tokens", "top_k"), "int32", "Expert ids per token."),
+    },
+    outputs={"output": Tensor(("num_tokens", "hidden_size"), "bfloat16",
+                              "Weighted sum of the chosen experts' outputs.")},
+    reference="moe_experts_swiglu.py",
+    generate=_experts_inputs,
+    compare={"output": CompareRule(atol=1e-2, rtol=2e-2)},
+    constraints=("top_k <= num_experts", "gemm1_out_size == 2 * intermediate_size"),
+    tags=("stage:moe_experts",),
+    engines=("vllm", "transformers"),
+    example={"num_experts": 8, "hidden_size": 128, "intermediate_size": 64,
+             "gemm1_out_size": 128, "top_k": 2},
+    example_axes={"num_tokens": 16},
+))
