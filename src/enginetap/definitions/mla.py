@@ -1,1 +1,75 @@
-"""(family module: being written)"""
+"""Multi-head latent attention family: ``mla_paged_decode`` (DeepSeek-V2/V3, absorbed form).
+
+In the absorbed form the up-projections are folded into the query and the output, so every
+head attends the shared latent cache: keys are ``[ckv, kpe]`` and values are ``ckv``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from enginetap.definitions.attention import paged_layout, random_input
+from enginetap.definitions.base import Template, Tensor, const, register, var
+
+if TYPE_CHECKING:
+    import torch
+
+    from enginetap.dataset.schema import Definition
+
+__all__ = ["MLA_PAGED_DECODE"]
+
+
+def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
+              device: str) -> dict[str, Any]:
+    consts = definition.const_axes
+    layout = paged_layout(axes, consts["page_size"], gen, device)
+    names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
+    tensors = {n: random_input(definition, n, axes, gen, device) for n in names}
+    # Unit-variance logits for unit-variance inputs.
+    scale = (consts["head_dim_ckv"] + consts["head_dim_kpe"]) ** -0.5
+    return {**tensors, **layout, "sm_scale": scale}
+
+
+MLA_PAGED_DECODE = register(Template(
+    family="mla_paged_decode",
+    op_type="mla_paged",
+    name="mla_paged_decode_h{num_qo_heads}_ckv{head_dim_ckv}_kpe{head_dim_kpe}_ps{page_size}",
+    description=(
+        "Absorbed MLA decode (one query per request) over a paged latent cache: logits = "
+        "sm_scale * (q_nope.ckv + q_pe.kpe), output = softmax(logits) @ ckv, lse in base 2. "
+        "Request b reads pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the last one holding "
+        "kv_last_page_len[b] tokens. vLLM CPU: CPUMLAImpl.forward_mqa "
+        "(v1/attention/backends/mla/cpu_mla.py) -> ops.mla_decode_kvcache_cpu(out, q, kv_cache, "
+        "scale, block_tables, seq_lens): q[..., :head_dim_ckv] -> q_nope, q[..., head_dim_ckv:] -> "
+        "q_pe, kv_cache[..., :head_dim_ckv] -> ckv_cache, kv_cache[..., head_dim_ckv:] -> "
+        "kpe_cache, block_tables rows -> kv_indices, seq_lens -> kv_indptr / kv_last_page_len, "
+        "scale -> sm_scale, out -> output (no lse). AMX machines run amx_mla.py's forward_mqa "
+        "instead, same math. transformers runs MLA un-absorbed on a dense cache, not this form."),
+    axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
+          "num_pages": var("pages in the cache"), "num_kv_indices": var("pages in use"),
+          "num_qo_heads": const("query heads (per rank)"),
+          "head_dim_ckv": const("latent (kv_lora_rank) size"),
+          "head_dim_kpe": const("rope key size (qk_rope_head_dim)"),
+          "page_size": const("tokens per page")},
+    inputs={"q_nope": Tensor(("batch_size", "num_qo_heads", "head_dim_ckv"), "{dtype}",
+                             "query in latent space (W_UK absorbed)"),
+            "q_pe": Tensor(("batch_size", "num_qo_heads", "head_dim_kpe"), "{dtype}",
+                           "rotary part of the query"),
+            "ckv_cache": Tensor(("num_pages", "page_size", "head_dim_ckv"), "{dtype}"),
+            "kpe_cache": Tensor(("num_pages", "page_size", "head_dim_kpe"), "{dtype}"),
+            "kv_indptr": Tensor(("len_indptr",), "int32", "page offsets per request"),
+            "kv_indices": Tensor(("num_kv_indices",), "int32", "page ids, in token order"),
+            "kv_last_page_len": Tensor(("batch_size",), "int32", "tokens in each last page"),
+            "sm_scale": Tensor(None, "float32", "softmax scale of the un-absorbed head size")},
+    outputs={"output": Tensor(("batch_size", "num_qo_heads", "head_dim_ckv"), "{dtype}",
+                              "attention output in latent space (before W_UV)"),
+             "lse": Tensor(("batch_size", "num_qo_heads"), "float32", "log-sum-exp, base 2")},
+    reference="mla_paged_decode.py",
+    generate=_generate,
+    params={"dtype": "bfloat16"},
+    constraints=("len_indptr == batch_size + 1",),
+    engines=("vllm",),
+    example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},
+    example_axes={"batch_size": 3, "len_indptr": 4, "num_pages": 12, "num_kv_indices": 7},
+))
