@@ -1,5 +1,49 @@
-"""`enginetap models` commands."""
+"""`enginetap models`: list and build the built-in tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-app = typer.Typer(help="models", no_args_is_help=True)
+app = typer.Typer(help="Built-in tiny models (random weights, real architectures).",
+                  no_args_is_help=True)
+
+out = Console()
+err = Console(stderr=True)
+
+
+@app.command("list")
+def list_models() -> None:
+    """List the built-in models, their architecture and whether they are cached."""
+    from enginetap.models import MODEL_NAMES, default_model_dir, model_config
+    from enginetap.models.builder import is_complete
+
+    table = Table("name", "architecture", "layers", "cached at")
+    for name in MODEL_NAMES:
+        config = model_config(name)
+        folder = default_model_dir(name)
+        cached = str(folder) if is_complete(folder, name, 0) else "-"
+        table.add_row(name, config["architectures"][0], str(config["num_hidden_layers"]), cached)
+    out.print(table)
+
+
+@app.command("build")
+def build(
+    name: str = typer.Argument(..., help="Built-in model name (see `enginetap models list`)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Folder to build into "
+                                           "(default: the cache under $ENGINETAP_CACHE)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random weights."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a complete build exists."),
+) -> None:
+    """Build a model folder that transformers and vLLM load; print its path."""
+    from enginetap.models import build_model
+
+    with err.status(f"building {name} (seed {seed})") as status:
+        path = build_model(name, out_dir=out_dir, seed=seed, force=force,
+                           progress=lambda label: status.update(f"{name}: {label}"))
+    err.print(f"[green]built[/] {name} (seed {seed})")
+    out.print(str(path), highlight=False, soft_wrap=True)

@@ -1,0 +1,210 @@
+"""HFEngine: a small in-process engine over a transformers model, with real steps.
+
+Not a serving engine: one ``generate`` call runs its requests as one batch, a prefill
+step (left-padded, every prompt at once) then one decode step per new token for the
+requests still running. There are no mixed steps. Each step publishes a
+:class:`~enginetap.core.context.Step` around the model forward, so capture and tap code
+sees the same step context it sees inside vLLM. The row layout is documented in
+:mod:`enginetap.engines.hf.batch`.
+
+Greedy decoding of a request gives the tokens transformers' ``generate`` gives, and the
+same tokens whatever it is batched with (up to bf16 rounding across batch shapes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from enginetap.core.context import Mode, Step, publish
+from enginetap.engines.hf.batch import Plan, Sequence, plan_decode, plan_prefill
+from enginetap.engines.hf.prefix import LayerKV, PrefixCache
+from enginetap.engines.hf.requests import Completion, Request, prompt_ids_of
+from enginetap.engines.hf.sampling import new_generator, pick
+from enginetap.errors import ConfigError
+
+__all__ = ["HFEngine"]
+
+ENGINE = "transformers"
+
+
+def _load(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"cannot load a model from {model_dir}", "no config.json there",
+                          "pass a model folder, or build one with `enginetap models build`")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load a model from {model_dir}", str(exc),
+                          "check that the folder holds a transformers causal LM") from exc
+    has_tokenizer = any((model_dir / f).is_file()
+                        for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
+    return model.to(device).eval(), tokenizer
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+class HFEngine:
+    """Batched greedy / seeded generation over a transformers model, one step at a time.
+
+    Raises:
+        ConfigError: ``model_dir`` holds no loadable transformers model.
+    """
+
+    def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, prefix_cache_size: int = 16) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.model, self.tokenizer = _load(self.model_dir, self.device, dtype)
+        config = self.model.config
+        self.vocab_size: int = config.vocab_size
+        self.max_positions: int = config.max_position_embeddings
+        self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
+        self.eos_ids = _eos_ids(self.model)
+        self.recurrent = "linear_attention" in (getattr(config, "layer_types", None) or [])
+        self.prefix_cache = PrefixCache(prefix_cache_size)
+        self._reusable: bool | None = None  # known after the first prefill shows the cache
+        self._steps = 0
+
+    @classmethod
+    def from_builtin(cls, name: str, *, seed: int = 0, **kwargs: Any) -> HFEngine:
+        """An engine over built-in model ``name`` (built into the cache if needed).
+
+        Raises:
+            ConfigError: ``name`` is not a built-in model.
+        """
+        from enginetap.models import build_model
+
+        return cls(build_model(name, seed=seed), **kwargs)
+
+    @property
+    def steps(self) -> int:
+        """Real steps run so far (prefill and decode)."""
+        return self._steps
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether this model's cache allows prefix reuse (False until the first prefill)."""
+        return bool(self._reusable)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run ``requests`` as one batch; completions come back in request order.
+
+        Raises:
+            ConfigError: a request is invalid (see :func:`prompt_ids_of`) or two share an id.
+        """
+        seqs = self._sequences(requests)
+        if not seqs:
+            return []
+        with torch.inference_mode():
+            self._run(seqs)
+        return [self._completion(s) for s in seqs]
+
+    def _sequences(self, requests: list[Request]) -> list[Sequence]:
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("bad requests", "two requests share a request_id",
+                              "give every request of a call its own id")
+        seqs = []
+        for slot, request in enumerate(requests):
+            prompt = prompt_ids_of(request, self.tokenizer, self.vocab_size, self.max_positions)
+            sampled = request.temperature > 0
+            seqs.append(Sequence(request, slot, prompt,
+                                 new_generator(request.seed) if sampled else None))
+        if self._reusable:
+            for seq in seqs:
+                seq.reused, seq.prefix_kv = self.prefix_cache.lookup(seq.prompt)
+        return seqs
+
+    def _run(self, seqs: list[Sequence]) -> None:
+        reused = max(s.reused for s in seqs)
+        capacity = reused + max(len(s.suffix) for s in seqs) + max(
+            s.request.max_new_tokens for s in seqs)
+        plan = plan_prefill(seqs, self.pad_id, capacity, self.recurrent, self.device)
+        past = self._assemble_prefix(seqs, reused) if reused else None
+        logits, cache = self._forward("prefill", plan, past)
+        self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
+        alive, mask = self._advance(seqs, logits, cache, plan.attention_mask)
+        while alive:
+            plan = plan_decode(alive, mask, capacity, self.recurrent)
+            logits, cache = self._forward("decode", plan, cache)
+            alive, mask = self._advance(alive, logits, cache, plan.attention_mask)
+
+    def _forward(self, mode: Mode, plan: Plan, past: Any) -> tuple[torch.Tensor, Any]:
+        step = Step(ENGINE, self._steps, mode, plan.rows, extra={
+            "input_shape": list(plan.input_ids.shape), "token_index": plan.token_index})
+        with publish(step):
+            out = self.model(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
+                             position_ids=plan.position_ids, past_key_values=past,
+                             use_cache=True, logits_to_keep=1)
+        self._steps += 1
+        return out.logits[:, -1, :], out.past_key_values
+
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor, cache: Any,
+                 mask: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Append one token per request; drop finished requests from the cache and mask."""
+        tokens = pick(logits, [s.request.temperature for s in seqs],
+                      [s.request.top_p for s in seqs], [s.generator for s in seqs])
+        for seq, token in zip(seqs, tokens):
+            seq.output.append(token)
+            if token in self.eos_ids:
+                seq.finish = "stop"
+            elif len(seq.output) >= seq.request.max_new_tokens:
+                seq.finish = "length"
+        keep = [i for i, s in enumerate(seqs) if s.finish is None]
+        if keep and len(keep) < len(seqs):
+            index = torch.tensor(keep, dtype=torch.long, device=mask.device)
+            # reorder_cache selects batch rows in every layer kind, recurrent state included.
+            cache.reorder_cache(index)
+            mask = mask.index_select(0, index)
+        return [seqs[i] for i in keep], mask
+
+    def _remember_prompts(self, seqs: list[Sequence], cache: Any, reused: int,
+                          width: int) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        if self._reusable is None:
+            self._reusable = all(type(layer) is DynamicLayer for layer in cache.layers)
+        if not self._reusable or self.prefix_cache.capacity == 0:
+            return
+        for b, seq in enumerate(seqs):
+            columns = list(range(reused - seq.reused, reused)) + list(
+                range(reused + width - len(seq.suffix), reused + width))
+            index = torch.tensor(columns, dtype=torch.long, device=self.device)
+            kv = [(layer.keys[b].index_select(1, index), layer.values[b].index_select(1, index))
+                  for layer in cache.layers]
+            self.prefix_cache.store(seq.prompt, kv)
+
+    def _assemble_prefix(self, seqs: list[Sequence], reused: int) -> Any:
+        """A batch cache holding each request's reused prefix, right-aligned at column P."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        donor: LayerKV = next(s.prefix_kv for s in seqs if s.prefix_kv is not None)
+        for layer_index, layer in enumerate(cache.layers):
+            k0, v0 = donor[layer_index]
+            keys = k0.new_zeros((len(seqs), k0.shape[0], reused, k0.shape[2]))
+            values = v0.new_zeros((len(seqs), v0.shape[0], reused, v0.shape[2]))
+            for b, seq in enumerate(seqs):
+                if seq.prefix_kv is not None and seq.reused:
+                    k, v = seq.prefix_kv[layer_index]
+                    keys[b, :, reused - seq.reused:] = k[:, :seq.reused]
+                    values[b, :, reused - seq.reused:] = v[:, :seq.reused]
+            layer.update(keys, values)
+        return cache
+
+    def _completion(self, seq: Sequence) -> Completion:
+        text = (self.tokenizer.decode(seq.output, skip_special_tokens=True)
+                if self.tokenizer is not None else "")
+        return Completion(seq.request.request_id, seq.prompt, list(seq.output), text,
+                          seq.finish or "length")
