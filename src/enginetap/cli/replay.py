@@ -1,5 +1,85 @@
-"""`enginetap replay` commands."""
+"""`enginetap replay DATASET`: check stored engine outputs (and a candidate) against references.
+
+Exit status: 0 when every check passed, 1 when anything failed, errored or was refused or
+the dataset has problems, 2 (from ``enginetap.cli.main``) when the options are unusable.
+The status is set with ``sys.exit``: under ``standalone_mode=False`` (how
+``enginetap.cli.main`` runs the app) click returns a ``typer.Exit`` code instead of exiting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from typer.core import TyperGroup
 
-app = typer.Typer(help="replay", no_args_is_help=True)
+from enginetap.errors import EnginetapError
+
+__all__ = ["app"]
+
+
+class _CommandGroup(TyperGroup):
+    """A group that is really one command: options may follow the argument, no COMMAND."""
+
+    allow_interspersed_args = True
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [piece for piece in super().collect_usage_pieces(ctx)
+                if piece != self.subcommand_metavar]
+
+
+app = typer.Typer(cls=_CommandGroup, invoke_without_command=True, no_args_is_help=True)
+
+out = Console()
+err = Console(stderr=True)
+
+
+@app.callback()
+def replay(
+    dataset: Annotated[Path, typer.Argument(metavar="DATASET", help="Dataset root directory.")],
+    definition: Annotated[list[str] | None, typer.Option(
+        "--definition", "-d", help="Replay only this definition (repeatable).")] = None,
+    solution: Annotated[str | None, typer.Option(
+        help="Candidate to check and time: module:function or path/file.py:function.")] = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write the full report (JSON) here.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    warmup: Annotated[int, typer.Option(help="Untimed runs before timing.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 3,
+    trust_dataset_code: Annotated[bool, typer.Option(
+        "--trust-dataset-code",
+        help="Also run references enginetap did not generate (executes dataset code).")] = False,
+) -> None:
+    """Run each definition's reference on the stored inputs and compare with the engine's
+    outputs (and with --solution's); exit 1 if anything does not pass."""
+    from enginetap.replay import replay_dataset
+    from enginetap.replay.report import problem_lines, render_tables
+
+    if solution and os.getcwd() not in sys.path:
+        # As `python -m` would: a solution module next to where the user runs the command.
+        sys.path.insert(0, os.getcwd())
+    report = replay_dataset(dataset, definitions=definition, solution=solution,
+                            trust_dataset_code=trust_dataset_code, device=device,
+                            warmup=warmup, repeats=repeats, progress=err.is_terminal)
+    for table in render_tables(report):
+        out.print(table)
+    for line in problem_lines(report):
+        out.print(line, markup=False, highlight=False)
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
+    out.print(f"{'ok' if report.ok else 'not ok'}: {counts or 'nothing to replay'}",
+              markup=False, highlight=False)
+    if json_path is not None:
+        _write_json(json_path, report.model_dump_json(indent=2) + "\n")
+    sys.exit(0 if report.ok else 1)
+
+
+def _write_json(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise EnginetapError(f"cannot write the report to {path}", exc.strerror or str(exc),
+                             "pass a --json path in a writable directory") from None

@@ -232,7 +232,7 @@ def family_of(definition: Definition) -> str | None:
     return None
 
 
-def _params_of(definition: Definition, template: Template) -> dict[str, Any]:
+def params_of(definition: Definition, template: Template) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for tag in definition.tags:
         if tag.startswith(PARAM_TAG):
@@ -251,7 +251,7 @@ def known_template(definition: Definition) -> Template | None:
     if template is None:
         return None
     try:
-        ours = template.instantiate(**definition.const_axes, **_params_of(definition, template))
+        ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
     except (DefinitionError, ValueError, KeyError):
         return None
     same = (ours.reference == definition.reference and ours.name == definition.name

@@ -132,7 +132,7 @@ TOPK_SOFTMAX = register(Template(
     # Engines compute in the logits dtype: vLLM CPU's exp(logit - logsumexp) in bf16 (when
     # not renormalizing) is off by up to ~3%, transformers casts weights back to bf16.
     compare={"topk_ids": CompareRule(kind="selection", scores="router_logits"),
-             "topk_weights": CompareRule(atol=1e-5, rtol=4e-2)},
+             "topk_weights": CompareRule(atol=1e-5, rtol=4e-2, paired_with="topk_ids")},
     params={"renormalize": True, "logits_dtype": "bfloat16"},
     constraints=("top_k <= num_experts",),
     tags=("stage:moe_router",),
@@ -173,7 +173,7 @@ TOPK_GROUPED_SIGMOID = register(Template(
     generate=_grouped_router_inputs,
     # The selection score (sigmoid + bias) is not an input, so ids must match as sets.
     compare={"topk_ids": CompareRule(kind="selection"),
-             "topk_weights": CompareRule(atol=1e-6, rtol=1e-5)},
+             "topk_weights": CompareRule(atol=1e-6, rtol=1e-5, paired_with="topk_ids")},
     params={"renormalize": True, "routed_scaling_factor": 1.0, "logits_dtype": "float32"},
     constraints=("num_experts % n_group == 0", "num_experts // n_group >= 2",
                  "topk_group <= n_group", "top_k <= topk_group * (num_experts // n_group)"),

@@ -1,0 +1,368 @@
+"""Replay a dataset: run each definition's reference (and a candidate) on stored inputs.
+
+A dataset is data, not code. A definition whose reference is byte-identical to what
+enginetap generates for its family runs enginetap's own regenerated source; any other
+(foreign or edited) definition is REFUSED unless the caller passes
+``trust_dataset_code=True``, and its stored source is never executed otherwise.
+
+For each workload: load the inputs, run the reference on clones of them, check its outputs
+have the definition's shapes and dtypes, then compare it with the stored engine outputs
+(``engine`` checks) and with the candidate's outputs (``candidate`` checks), using the
+family's :class:`CompareRule` per output (no family: integers and bools exact, floats by
+tolerance). Problems with the dataset itself (``validate_dataset``) are listed in the report
+and make it fail; what can still be read is replayed anyway, and a workload that cannot be
+loaded is an ERROR row. Nothing here lets an exception from dataset or user code escape:
+it becomes a one-line message on the row it concerns.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from enginetap import __version__
+from enginetap.dataset import Dataset, validate_dataset
+from enginetap.dataset.scan import scan_workloads
+from enginetap.dataset.schema import Definition, WorkloadLine
+from enginetap.definitions.base import (
+    CompareRule,
+    Template,
+    params_of,
+    compile_reference,
+    family_of,
+    known_template,
+    templates,
+)
+from enginetap.errors import ConfigError, DatasetError, EnginetapError
+from enginetap.replay.compare import Comparison, compare_outputs, fallback_rule
+from enginetap.replay.report import (
+    DefinitionResult,
+    OutputCheck,
+    ReplayOptions,
+    ReplayReport,
+    WorkloadResult,
+    worst,
+)
+from enginetap.replay.solution import (
+    CallPlan,
+    load_solution,
+    poison_left,
+    scrub_freed_memory,
+)
+from enginetap.replay.timing import median_ms
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["replay_dataset"]
+
+TRUST_FLAG = "--trust-dataset-code"
+
+
+def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None,
+                   solution: str | None = None, trust_dataset_code: bool = False,
+                   device: str = "cpu", warmup: int = 1, repeats: int = 3,
+                   progress: bool = False) -> ReplayReport:
+    """Replay the dataset at ``root`` and return what every check found.
+
+    ``definitions`` limits the replay to these names; ``solution`` (``module:function``)
+    is a candidate implementation to check and time against the reference.
+
+    Raises:
+        ConfigError: bad device, counts or solution (it cannot be imported).
+        DatasetError: ``root`` is not a dataset.
+    """
+    import torch
+
+    options = ReplayOptions(dataset=str(root), definitions=list(definitions) if definitions
+                            else None, solution=solution, trust_dataset_code=trust_dataset_code,
+                            device=device, warmup=warmup, repeats=repeats)
+    _check_options(options)
+    candidate = load_solution(solution) if solution else None
+    dataset = Dataset(root)
+    report = ReplayReport(options=options, problems=validate_dataset(root),
+                          created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                          enginetap_version=__version__, torch_version=torch.__version__)
+    plan = _plan(dataset, options.definitions, report)
+    with _Progress(progress, sum(len(lines) for _, lines in plan)) as bar:
+        for definition, lines in plan:
+            report.definitions.append(
+                _replay_definition(dataset, definition, lines, candidate, options, bar.advance))
+    return report
+
+
+def _check_options(options: ReplayOptions) -> None:
+    import torch
+
+    if options.warmup < 0 or options.repeats < 0:
+        raise ConfigError("bad timing counts", "warmup and repeats must be >= 0",
+                          "pass e.g. --warmup 1 --repeats 3")
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {options.device!r} is not available",
+                          "this torch sees no CUDA device", "use --device cpu")
+    if options.device != "cpu" and not options.device.startswith("cuda"):
+        raise ConfigError(f"unknown device {options.device!r}", "", "use cpu or cuda")
+
+
+def _plan(dataset: Dataset, names: list[str] | None,
+          report: ReplayReport) -> list[tuple[Definition, list[WorkloadLine]]]:
+    """The definitions to replay with their readable workload lines.
+
+    Lines that do not parse are skipped (``validate_dataset`` lists them); a definition file
+    that does not parse stops the replay, since the store then resolves no definition.
+    """
+    try:
+        available = dataset.definitions()
+    except DatasetError as exc:
+        report.problems.append(f"nothing replayed: {exc}")
+        return []
+    lines: dict[str, list[WorkloadLine]] = {}
+    for record in scan_workloads(dataset.root)[0]:
+        lines.setdefault(record.line.definition, []).append(record.line)
+    plan = []
+    for name in names or sorted(available):
+        if name in available:
+            plan.append((available[name], lines.get(name, [])))
+        else:
+            report.definitions.append(DefinitionResult(
+                name=name, status="ERROR", message="no such definition in this dataset"))
+    return plan
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (never a traceback)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+@dataclass
+class _Reference:
+    run: Callable[..., Any]
+    rules: dict[str, CompareRule]
+    source: str
+
+
+def _resolve_reference(definition: Definition, trust_dataset_code: bool) -> _Reference | str:
+    """The reference to run for ``definition``, or the reason it is refused.
+
+    Raises:
+        DefinitionError: the reference source defines no ``run``.
+        Exception: whatever trusted dataset source raises when executed.
+    """
+    template = known_template(definition)
+    if template is not None:
+        ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
+        return _Reference(compile_reference(ours.reference, definition.name),
+                          _rules(definition, template), "enginetap")
+    family = templates().get(family_of(definition) or "")
+    if not trust_dataset_code:
+        why = (f"its reference differs from what enginetap {__version__} generates for family "
+               f"{family.family!r} (edited, or made by another enginetap version)"
+               if family is not None else "its reference is not from a known enginetap family")
+        return f"{why}; dataset code runs only with {TRUST_FLAG}"
+    return _Reference(compile_reference(definition.reference, definition.name),
+                      _rules(definition, family), "dataset")
+
+
+def _load_reference(definition: Definition,
+                    trust_dataset_code: bool) -> _Reference | DefinitionResult:
+    """The reference to run, or the REFUSED/ERROR result of the whole definition."""
+    try:
+        reference = _resolve_reference(definition, trust_dataset_code)
+    except Exception as exc:  # trusted dataset source may raise anything when executed
+        return DefinitionResult(name=definition.name, status="ERROR",
+                                message=f"its reference cannot be loaded: {_one_line(exc)}")
+    if isinstance(reference, str):
+        return DefinitionResult(name=definition.name, status="REFUSED", message=reference)
+    return reference
+
+
+def _rules(definition: Definition, template: Template | None) -> dict[str, CompareRule]:
+    from enginetap.dataset.dtypes import torch_dtype
+
+    rules = {}
+    for name, spec in definition.outputs.items():
+        if template is not None and name in template.outputs:
+            rules[name] = template.rule(name)
+        else:
+            rules[name] = fallback_rule(torch_dtype(spec.dtype))
+    return rules
+
+
+def _replay_definition(dataset: Dataset, definition: Definition, lines: list[WorkloadLine],
+                       candidate: Callable[..., Any] | None, options: ReplayOptions,
+                       advance: Callable[[], None]) -> DefinitionResult:
+    reference = _load_reference(definition, options.trust_dataset_code)
+    if isinstance(reference, DefinitionResult):
+        for _ in lines:
+            advance()
+        return reference
+    replay = _WorkloadReplay(dataset, definition, reference, candidate, options)
+    results = []
+    for line in lines:
+        results.append(replay.run(line))
+        advance()
+    return DefinitionResult(name=definition.name, status=worst([w.status for w in results]),
+                            reference=reference.source, workloads=results)
+
+
+@dataclass
+class _Workload:
+    """One workload's data while it is replayed."""
+
+    axes: dict[str, int]
+    inputs: dict[str, Any]
+    engine: dict[str, torch.Tensor]
+    """Stored engine outputs (``{}`` when none)."""
+    expected: dict[str, torch.Tensor]
+    """The reference's outputs."""
+
+
+class _WorkloadReplay:
+    """Replays single workloads of one definition."""
+
+    def __init__(self, dataset: Dataset, definition: Definition, reference: _Reference,
+                 candidate: Callable[..., Any] | None, options: ReplayOptions) -> None:
+        self.dataset, self.definition, self.reference = dataset, definition, reference
+        self.candidate, self.options, self.device = candidate, options, options.device
+
+    def run(self, line: WorkloadLine) -> WorkloadResult:
+        uuid, axes = line.workload.uuid, line.workload.axes
+        try:
+            inputs = self.dataset.load_inputs(line, self.device)
+            engine = self.dataset.load_outputs(line, self.device)
+        except EnginetapError as exc:
+            return WorkloadResult(uuid=uuid, status="ERROR", message=str(exc))
+        except Exception as exc:  # stored files are untrusted input; report, do not crash
+            return WorkloadResult(uuid=uuid, status="ERROR",
+                                  message=f"cannot load it: {_one_line(exc)}")
+        ref_plan = CallPlan(self.definition)
+        try:
+            expected = _call(self.reference.run, ref_plan, inputs, axes, self.device)
+            self._check_conforms(expected, axes)
+            ref_ms = self._time(self.reference.run, ref_plan, inputs, axes)
+        except Exception as exc:  # reference code (ours or trusted) may raise anything
+            return WorkloadResult(uuid=uuid, status="ERROR",
+                                  message=f"reference failed: {_one_line(exc)}")
+        data = _Workload(axes, inputs, engine, expected)
+        checks = self._engine_checks(data)
+        cand_ms = None
+        if self.candidate is not None:
+            candidate_checks, cand_ms = self._candidate_checks(self.candidate, data)
+            checks += candidate_checks
+        if not checks:
+            checks = [OutputCheck(output="-", check="reference", status="PASS",
+                                  message="no engine outputs stored; only the reference ran")]
+        return WorkloadResult(uuid=uuid, status=worst([c.status for c in checks]),
+                              reference_ms=ref_ms, candidate_ms=cand_ms, checks=checks)
+
+    def _check_conforms(self, outputs: Mapping[str, torch.Tensor], axes: dict[str, int]) -> None:
+        from enginetap.dataset.dtypes import name_of
+
+        for name, spec in self.definition.outputs.items():
+            shape = list(self.definition.shape_of(spec, axes) or ())
+            got = outputs[name]
+            if list(got.shape) != shape or name_of(got.dtype) != spec.dtype:
+                raise ValueError(f"output {name!r} is {name_of(got.dtype)}{list(got.shape)}, "
+                                 f"the definition says {spec.dtype}{shape}")
+
+    def _engine_checks(self, data: _Workload) -> list[OutputCheck]:
+        if not data.engine:
+            return []
+        checks = []
+        for name in self.definition.outputs:
+            if name not in data.engine:
+                checks.append(OutputCheck(output=name, check="engine", status="FAIL",
+                                          message="no engine output stored for it"))
+                continue
+            comparison = self._compare(name, data.expected, data.engine, data)
+            checks.append(OutputCheck(output=name, check="engine", comparison=comparison,
+                                      status="PASS" if comparison.passed else "FAIL"))
+        return checks
+
+    def _candidate_checks(self, candidate: Callable[..., Any],
+                          data: _Workload) -> tuple[list[OutputCheck], float | None]:
+        """Run the candidate once on poisoned memory, compare, then time it."""
+        try:
+            plan = CallPlan.for_function(candidate, self.definition)
+            scrub_freed_memory(data.expected, self.device)
+            actual = _call(candidate, plan, data.inputs, data.axes, self.device)
+            checks = [self._candidate_check(name, actual, data, bool(plan.destinations))
+                      for name in self.definition.outputs]
+            return checks, self._time(candidate, plan, data.inputs, data.axes)
+        except Exception as exc:  # the candidate is user code: any failure is its ERROR row
+            return [OutputCheck(output="-", check="candidate", status="ERROR",
+                                message=f"candidate failed: {_one_line(exc)}")], None
+
+    def _candidate_check(self, name: str, actual: Mapping[str, torch.Tensor], data: _Workload,
+                         destination: bool) -> OutputCheck:
+        comparison = self._compare(name, data.expected, actual, data)
+        vs_engine = (self._compare(name, data.engine, actual, data)
+                     if name in data.engine else None)
+        unwritten = poison_left(actual[name], data.expected[name]) if destination else 0
+        message = (f"{unwritten} element(s) never written (still poison)" if unwritten
+                   else None)
+        passed = comparison.passed and not unwritten
+        return OutputCheck(output=name, check="candidate", status="PASS" if passed else "FAIL",
+                           comparison=comparison, vs_engine=vs_engine, message=message)
+
+    def _compare(self, name: str, expected_side: Mapping[str, torch.Tensor],
+                 actual_side: Mapping[str, torch.Tensor], data: _Workload) -> Comparison:
+        """Compare output ``name`` of two sides (reference, engine or candidate outputs)."""
+        rule = self.reference.rules[name]
+        expected, actual = expected_side[name], actual_side[name]
+        scores = None
+        if rule.scores:
+            # The scores name an input, or else an output: then the reference's value.
+            scores = data.inputs.get(rule.scores, data.expected.get(rule.scores))
+        pairs = None
+        if rule.paired_with and rule.paired_with in expected_side and rule.paired_with in actual_side:
+            pairs = (expected_side[rule.paired_with], actual_side[rule.paired_with])
+        try:
+            return compare_outputs(rule, expected, actual, pairs=pairs,
+                                   scores=scores if hasattr(scores, "shape") else None)
+        except Exception as exc:  # e.g. a dtype torch cannot do arithmetic on here
+            return Comparison(kind=rule.kind, passed=False, shape=list(expected.shape),
+                              dtype=str(expected.dtype).removeprefix("torch."),
+                              reason=f"cannot compare: {_one_line(exc)}", matched_ratio=0.0)
+
+    def _time(self, function: Callable[..., Any], plan: CallPlan, inputs: Mapping[str, Any],
+              axes: dict[str, int]) -> float | None:
+        return median_ms(function, lambda: plan.prepare(inputs, axes, self.device),
+                         device=self.device, warmup=self.options.warmup,
+                         repeats=self.options.repeats)
+
+
+def _call(function: Callable[..., Any], plan: CallPlan, inputs: Mapping[str, Any],
+          axes: dict[str, int], device: str) -> dict[str, torch.Tensor]:
+    args, kwargs = plan.prepare(inputs, axes, device)
+    return plan.collect(function(*args, **kwargs), args, kwargs)
+
+
+class _Progress:
+    """A rich progress bar over workloads, or nothing."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            # stderr, so that the table on stdout stays clean when redirected.
+            self._bar = Progress(console=Console(stderr=True), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("replaying workloads", total=self.total)
+        return self
+
+    def advance(self) -> None:
+        if self.enabled:
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.stop()
