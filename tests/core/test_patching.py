@@ -178,3 +178,20 @@ def test_unresolvable_target_rolls_back_the_set():
 def test_bind_arguments_names_and_defaults():
     bound = bind_arguments(llama.apply_rotary_pos_emb, (1, 2, 3, 4), {})
     assert bound == {"q": 1, "k": 2, "cos": 3, "sin": 4, "unsqueeze_dim": 1}
+
+
+def test_errors_meant_for_the_caller_pass_through():
+    from enginetap.core.patching import ReachesCaller
+
+    class Refused(ReachesCaller):
+        pass
+
+    norm, x = _norm()
+
+    def refuse(wrapped, instance, args, kwargs):
+        raise Refused("stop the run")
+
+    with PatchSet("t", [Patch(RMS, refuse)]) as ps:
+        with pytest.raises(Refused, match="stop the run"):
+            norm(x)
+        assert ps.errors() == []

@@ -32,7 +32,9 @@ def main() -> None:
         # Non-standalone mode returns a command's exit code (typer.Exit) instead of raising.
         rc = app(standalone_mode=False)
     except EnginetapError as exc:
-        err.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+        # The message is plain text: no markup or emoji codes may be read into it.
+        err.print("[bold red]error:[/] ", end="")
+        err.print(str(exc), markup=False, emoji=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

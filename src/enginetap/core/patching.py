@@ -33,7 +33,16 @@ logger = logging.getLogger("enginetap.patching")
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 
-__all__ = ["Patch", "PatchSet", "Target", "WrapperError", "bind_arguments", "call_signature"]
+__all__ = ["Patch", "PatchSet", "ReachesCaller", "Target", "WrapperError", "bind_arguments",
+           "call_signature"]
+
+
+class ReachesCaller(Exception):
+    """Base for errors a wrapper raises on purpose for the engine's caller to see.
+
+    Every other exception a wrapper raises is contained (recorded, original called). A
+    patch that exists to stop a run (a guard in ``strict`` mode) raises a subclass.
+    """
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,8 @@ class Patch:
         call = _TrackedCall(wrapped)
         try:
             return self.wrapper(call, instance, args, kwargs)
+        except ReachesCaller:
+            raise
         except Exception as exc:
             if call.raised is not None:
                 raise call.raised from None

