@@ -23,7 +23,8 @@ logger = logging.getLogger("enginetap.context")
 
 Mode = Literal["prefill", "decode", "mixed"]
 
-__all__ = ["Mode", "Step", "StepRows", "current_step", "publish", "subscribe", "unsubscribe"]
+__all__ = ["Mode", "Step", "StepRows", "abandon", "current_step", "publish", "subscribe",
+           "unsubscribe"]
 
 
 @dataclass(slots=True)
@@ -142,6 +143,15 @@ class publish:
             _notify(_CTX.on_end, self._step)
         finally:
             _CTX.step = None
+
+
+def abandon() -> None:
+    """Drop the current step without notifying end listeners.
+
+    For adapters that learn only after a step began that it was not a real step (the
+    engine raised, or nothing was sampled): consumers never see it end.
+    """
+    _CTX.step = None
 
 
 def reset() -> None:

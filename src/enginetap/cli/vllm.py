@@ -1,0 +1,97 @@
+"""`enginetap vllm`: serve a model with vLLM armed by enginetap; merge per-rank files."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="vLLM: serve armed, merge per-rank outputs.", no_args_is_help=True)
+
+out = Console()
+err = Console(stderr=True)
+
+_CAPABILITIES = ("step", "capture", "tap", "guard")
+
+
+def _arming(arm: str, out_dir: Path, requests: str):
+    from enginetap.config import ArmConfig
+    from enginetap.errors import ConfigError
+
+    capabilities = [c.strip() for c in arm.split(",") if c.strip()]
+    unknown = sorted(set(capabilities) - set(_CAPABILITIES))
+    if unknown:
+        raise ConfigError(f"unknown capability {', '.join(unknown)}",
+                          f"the capabilities are {', '.join(_CAPABILITIES)}",
+                          "pass --arm as a comma list of those, or --arm none")
+    if not capabilities:
+        return None
+    return ArmConfig(enabled=True, capabilities=capabilities, out_dir=out_dir.resolve(),
+                     request_filter=requests)
+
+
+@app.command("serve", context_settings={"allow_extra_args": True,
+                                        "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model_dir: Path = typer.Argument(..., help="Model folder (or name) for vLLM's --model."),
+    arm: str = typer.Option("step", "--arm", help="Comma list of capabilities to arm "
+                            "(step, capture, tap, guard), or 'none'."),
+    out_dir: Path = typer.Option(Path("enginetap-out"), "--out", help="Directory for per-rank "
+                                 "output files."),
+    requests: str = typer.Option("", "--requests", help="Record only requests whose id "
+                                 "contains this."),
+    port: Optional[int] = typer.Option(None, "--port", help="Port on 127.0.0.1 (default: free)."),
+    log: Optional[Path] = typer.Option(None, "--log", help="Server log file (default: temp)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for /health."),
+) -> None:
+    """Start vLLM's OpenAI server armed with enginetap; stop it with Ctrl-C or SIGTERM.
+
+    Arguments after the model folder that this command does not know go to vLLM as they
+    are, e.g. `enginetap vllm serve ./model --arm step -- --enforce-eager`.
+    """
+    from enginetap.engines.vllm.server import VLLMServer
+
+    # The server runs in a session of its own: a SIGTERM to us must still stop it.
+    signal.signal(signal.SIGTERM, _interrupt)
+    config = _arming("" if arm.strip().lower() == "none" else arm, out_dir, requests)
+    server = VLLMServer(model_dir, args=list(ctx.args), arm=config, port=port, log_path=log,
+                        startup_timeout=timeout)
+    with err.status(f"starting vLLM for {model_dir} (log: {server.log_path})"):
+        server.start()
+    err.print(f"[green]serving[/] {model_dir} at {server.url} "
+              f"({'armed: ' + ', '.join(config.capabilities) if config else 'disarmed'}); "
+              f"Ctrl-C stops it")
+    out.print(server.url, highlight=False)
+    try:
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(1.0)
+        err.print(f"[red]the server exited[/]; log tail:\n{server.log_tail()}")
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        err.print("stopping the server")
+    finally:
+        server.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command("merge")
+def merge(
+    out_dir: Path = typer.Argument(..., help="Directory holding <name>-rank<r>.jsonl files."),
+    name: str = typer.Option("steps.jsonl", "--name", help="Un-ranked file name to merge."),
+    to: Optional[Path] = typer.Option(None, "--to", help="Merged file (default: OUT_DIR/NAME)."),
+) -> None:
+    """Merge per-rank JSONL files into one, ordered by (step, rank); print its path."""
+    from enginetap.core.ranks import merge_rank_files, rank_files
+
+    ranks = sorted(rank_files(out_dir / name))
+    merged = merge_rank_files(out_dir / name, to)
+    err.print(f"[green]merged[/] ranks {', '.join(map(str, ranks))}")
+    out.print(str(merged), highlight=False, soft_wrap=True)

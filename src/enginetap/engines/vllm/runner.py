@@ -1,0 +1,260 @@
+"""Step context for vLLM's V1 model runner (``vllm/v1/worker/gpu_model_runner.py``).
+
+vLLM CPU runs this runner (``CPUModelRunner`` subclasses ``GPUModelRunner`` and keeps its
+``execute_model`` / ``_model_forward`` / ``sample_tokens``). One engine step is two calls:
+``execute_model`` prepares inputs, runs the forward and stores its state;
+``sample_tokens`` then samples from that state. The adapter therefore
+
+- builds the :class:`~enginetap.core.context.Step` when ``_model_forward`` is entered from
+  inside ``execute_model`` (inputs are prepared and the forward context is set, so rows
+  are read from the runner's own buffers and metadata, never recomputed), and makes it
+  current there, so every kernel of the forward sees :func:`current_step`;
+- ends it (end listeners, e.g. the step recorder) when ``sample_tokens`` returned for it;
+- abandons it, without end listeners, when ``execute_model`` raised or stored nothing to
+  sample, or when sampling raised: only steps that sampled are real.
+
+Dummy, profile and warm-up runs call the model directly (``_dummy_run``), and a step with
+no scheduled tokens returns before the forward: neither is ever published.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from enginetap.core import context
+from enginetap.core.context import Step, StepRows, publish
+from enginetap.core.patching import PatchSet, bind_arguments
+
+logger = logging.getLogger("enginetap.vllm")
+
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V1_RUNNER = f"{V1_RUNNER_MODULE}:GPUModelRunner"
+
+__all__ = ["V1_RUNNER", "V1_RUNNER_MODULE", "V1StepAdapter"]
+
+
+@dataclass(slots=True)
+class _RunnerState:
+    """Our per-runner bookkeeping (kept beside the runner, never on it)."""
+
+    next_step: int = 0
+    scheduled: Any = None
+    """The scheduler output of the ``execute_model`` call in progress, else None."""
+    active: publish | None = None
+
+
+@dataclass
+class V1StepAdapter:
+    """Publishes one :class:`Step` per real step of every V1 model runner in this process.
+
+    If reading a step ever fails, the adapter logs it and calls ``on_failure`` (default:
+    its own :meth:`uninstall`): a step context that cannot be trusted is no step context.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    on_failure: Callable[[], None] | None = None
+    patches: PatchSet = field(init=False)
+    _states: WeakKeyDictionary = field(init=False, default_factory=WeakKeyDictionary)
+
+    def __post_init__(self) -> None:
+        self.patches = PatchSet("step")
+        self.patches.add(f"{V1_RUNNER}.execute_model", self._on_execute)
+        self.patches.add(f"{V1_RUNNER}._model_forward", self._on_forward)
+        self.patches.add(f"{V1_RUNNER}.sample_tokens", self._on_sample)
+
+    def install(self) -> V1StepAdapter:
+        """Install the runner patches (now, or when the runner module is imported).
+
+        Raises:
+            PatchError: the installed vLLM's runner lacks one of the patched methods.
+        """
+        self.patches.install()
+        return self
+
+    def uninstall(self) -> None:
+        """Remove the patches; a step in flight is abandoned."""
+        self.patches.uninstall()
+        for state in list(self._states.values()):
+            _abandon(state)
+
+    def _on_execute(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+        state = self._states.setdefault(runner, _RunnerState())
+        state.scheduled = bind_arguments(wrapped, args, kwargs)["scheduler_output"]
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            state.scheduled = None
+            if runner.execute_model_state is None:  # nothing to sample: not a real step
+                _abandon(state)
+
+    def _on_forward(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+        state = self._states.get(runner)
+        if state is None or state.scheduled is None or state.active is not None:
+            return wrapped(*args, **kwargs)  # not the forward of a scheduled step
+        try:
+            inputs = bind_arguments(wrapped, args, kwargs)
+            drafts = state.scheduled.scheduled_spec_decode_tokens
+            step = read_step(runner, state.next_step, inputs, drafts, (self.rank, self.world_size))
+        except Exception:  # our reading failed, not the engine: disarm, let the step run
+            logger.exception("enginetap: reading vLLM's step failed; the step context disarms")
+            (self.on_failure or self.uninstall)()
+            return wrapped(*args, **kwargs)
+        state.active = publish(step)
+        state.active.__enter__()
+        return wrapped(*args, **kwargs)
+
+    def _on_sample(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+        state = self._states.get(runner)
+        if state is None or state.active is None:
+            return wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException:
+            _abandon(state)
+            raise
+        active, state.active = state.active, None
+        state.next_step += 1
+        active.__exit__(None, None, None)
+        return result
+
+
+def _abandon(state: _RunnerState) -> None:
+    """Drop a begun step without end listeners: it never sampled, so it is not a real step."""
+    if state.active is None:
+        return
+    state.active = None
+    context.abandon()
+
+
+@dataclass(slots=True)
+class _Requests:
+    """The batch's requests in the runner's order, as its prepared inputs hold them."""
+
+    ids: list[str]
+    starts: list[int]
+    """Query start of each request in the flattened batch, plus the total at the end."""
+    host: list[int]
+    device: list[int]
+    prefill: list[bool]
+
+    def row_owner(self) -> list[int]:
+        return [r for r in range(len(self.ids)) for _ in range(self.starts[r + 1] - self.starts[r])]
+
+
+def _requests(runner: Any, drafts: dict[str, list[int]]) -> _Requests:
+    batch = runner.input_batch
+    n = batch.num_reqs
+    ids = list(batch.req_ids[:n])
+    starts = [int(x) for x in runner.query_start_loc.np[: n + 1]]
+    host = [int(x) for x in batch.num_computed_tokens_cpu[:n]]
+    prompt = [int(x) for x in batch.num_prompt_tokens[:n]]
+    prefill = [host[r] < prompt[r] or starts[r + 1] - starts[r] > 1 + len(drafts.get(ids[r], ()))
+               for r in range(n)]
+    device = [int(x) for x in runner.num_computed_tokens[:n].tolist()]
+    return _Requests(ids, starts, host, device, prefill)
+
+
+def read_step(runner: Any, number: int, inputs: dict[str, Any], drafts: dict[str, list[int]],
+              rank_world: tuple[int, int]) -> Step:
+    """The step the runner is about to run, read from its prepared inputs.
+
+    ``inputs`` are ``_model_forward``'s bound arguments (``input_ids``, ``positions``);
+    ``drafts`` the scheduler's speculative tokens per request. A request's rows are decode
+    rows when its prompt is computed and the step runs one token plus its drafts for it;
+    otherwise (prompt chunks, recomputation after preemption) they are prefill rows.
+    """
+    reqs = _requests(runner, drafts)
+    owner = reqs.row_owner()
+    num_tokens = len(owner)
+    slots = _slots(runner, num_tokens, len(reqs.ids))
+    rows = StepRows(
+        request_ids=[reqs.ids[r] for r in owner],
+        positions=_positions(inputs, runner, num_tokens),
+        token_ids=_token_ids(inputs, runner, num_tokens),
+        query_start=[reqs.starts[r] for r in owner],
+        computed_host=[reqs.host[r] for r in owner],
+        computed_device=[reqs.device[r] for r in owner],
+        kv_slots=slots.kv,
+        state_slots=None if slots.state is None else [slots.state[r] for r in owner],
+    )
+    prefill_rows = sum(reqs.prefill[r] for r in owner)
+    extra = {"runner": "v1", "num_reqs": len(reqs.ids), "kv_block_size": slots.kv_block_size,
+             "prefill_requests": [i for i, p in zip(reqs.ids, reqs.prefill) if p]}
+    return Step("vllm", number, Step.mode_of(prefill_rows, num_tokens - prefill_rows), rows,
+                rank=rank_world[0], world_size=rank_world[1], extra=extra)
+
+
+def _positions(inputs: dict[str, Any], runner: Any, num_tokens: int) -> list[int]:
+    positions = inputs.get("positions")
+    if positions is None:
+        positions = runner.positions
+    if positions.dim() == 2:  # M-RoPE: [sections, tokens]; text rows agree across sections
+        positions = positions[0]
+    return positions[:num_tokens].tolist()
+
+
+def _token_ids(inputs: dict[str, Any], runner: Any, num_tokens: int) -> list[int]:
+    input_ids = inputs.get("input_ids")
+    if input_ids is None:  # the model is fed embeddings; the runner still holds the ids
+        input_ids = runner.input_ids.gpu
+    return input_ids[:num_tokens].tolist()
+
+
+@dataclass(slots=True)
+class _Slots:
+    kv: list[int] | None = None
+    """KV-cache slot per row, from the first attention group's slot mapping."""
+    kv_block_size: int | None = None
+    state: list[int] | None = None
+    """Recurrent-state slot per request, from the first recurrent group's metadata."""
+
+
+def _slots(runner: Any, num_tokens: int, num_reqs: int) -> _Slots:
+    """The slots the kernels of this forward use, as the forward context holds them."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    found = _Slots()
+    if not is_forward_context_available():
+        return found
+    forward = get_forward_context()
+    if not isinstance(forward.slot_mapping, dict) or not isinstance(forward.attn_metadata, dict):
+        return found  # micro-batched step: one mapping per micro-batch
+    for group in runner.kv_cache_config.kv_cache_groups:
+        spec, layer = group.kv_cache_spec, group.layer_names[0]
+        mapping = forward.slot_mapping.get(layer)
+        if found.kv is None and isinstance(spec, AttentionSpec) and mapping is not None:
+            found.kv, found.kv_block_size = mapping[:num_tokens].tolist(), spec.block_size
+        if found.state is None and isinstance(spec, MambaSpec):
+            found.state = _state_indices(forward.attn_metadata.get(layer), num_reqs)
+    return found
+
+
+def _state_indices(metadata: Any, num_reqs: int) -> list[int] | None:
+    """Per-request state slot from a recurrent layer's metadata (GDN, Mamba, linear attn)."""
+    if metadata is None:
+        return None
+    indices = getattr(metadata, "non_spec_state_indices_tensor", None)
+    if indices is None:
+        indices = getattr(metadata, "state_indices_tensor", None)
+    if indices is None:
+        decode = getattr(metadata, "state_indices_tensor_d", None)
+        prefill = getattr(metadata, "state_indices_tensor_p", None)
+        parts = [t[:n] for t, n in ((decode, getattr(metadata, "num_decodes", 0)),
+                                    (prefill, getattr(metadata, "num_prefills", 0)))
+                 if t is not None and n]
+        if not parts:
+            return None
+        import torch
+
+        indices = torch.cat(parts)
+    if indices.dim() == 2:
+        indices = indices[:, 0]
+    if indices.shape[0] < num_reqs:
+        return None
+    return indices[:num_reqs].tolist()

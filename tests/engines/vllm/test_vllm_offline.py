@@ -1,0 +1,104 @@
+"""In-process ``vllm.LLM`` (V1 runner, CPU), armed through the plugin by the environment.
+
+One armed run per model (``offline_run.py``: chunked prefill, a request arriving mid-way,
+a repeated prompt); the recorded steps are checked row by row against the requests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from step_checks import Request, check_steps, read_steps
+from vllm_harness import OFFLINE, child_env, run_script
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODELS = ["llama", "qwen3_next", "deepseek_v3"]
+PROBE = "probe_patches:watch_rmsnorm"
+
+
+def _engine_name(rid: str) -> str:
+    return rid.rsplit("-", 1)[0]  # vLLM appends "-<8 hex>" to the caller's request id
+
+
+def _run(model_dir: Path, out: Path, guard_patches: list[str]) -> tuple[dict, str]:
+    config = {"enabled": True, "capabilities": ["step", "guard"], "out_dir": str(out),
+              "options": {"guard": {"patches": guard_patches}}}
+    (out / "arming.json").write_text(json.dumps(config))
+    env = child_env({"ENGINETAP_CONFIG": str(out / "arming.json")})
+    log = run_script([str(OFFLINE), str(model_dir), str(out / "report.json")], env,
+                     out / "run.log")
+    return json.loads((out / "report.json").read_text()), log
+
+
+@pytest.fixture(scope="module")
+def armed_runs(tiny_model, tmp_path_factory: pytest.TempPathFactory):
+    """``armed_runs(model)`` → (output dir, report, log text); each model runs once."""
+    runs: dict[str, tuple[Path, dict, str]] = {}
+
+    def get(model: str) -> tuple[Path, dict, str]:
+        if model not in runs:
+            out = tmp_path_factory.mktemp(f"armed-{model}")
+            runs[model] = (out, *_run(tiny_model(model), out, [PROBE]))
+        return runs[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_steps_match_the_scheduled_requests(armed_runs, model: str):
+    out, report, log = armed_runs(model)
+    assert log.count("enginetap armed in vLLM worker") == 1
+    requests = {name: Request(r["prompt"], r["output"]) for name, r in report["requests"].items()}
+    steps = read_steps(out / "steps-rank0.jsonl")
+    seen = check_steps(steps, requests, _engine_name)
+    assert seen.modes == {"prefill", "decode", "mixed"}
+    assert set(seen.first_position) == set(requests)
+    hybrid = model == "qwen3_next"
+    assert all((s["rows"]["state_slots"] is not None) == hybrid for s in steps)
+    # The repeated prompt: only its uncached suffix is computed, where prefix caching is on
+    # (vLLM CPU turns it off for MLA models such as DeepSeek-V3).
+    cached = report["requests"]["a2"]["cached_tokens"]
+    assert report["prefix_caching"] == (model != "deepseek_v3")
+    assert seen.first_position["a2"] == cached
+    assert (cached > 0) == report["prefix_caching"]
+    assert seen.first_position["a"] == 0
+
+
+def test_kernels_see_the_current_step_and_dummy_runs_do_not(armed_runs):
+    out, _, _ = armed_runs("llama")
+    steps = read_steps(out / "steps-rank0.jsonl")
+    probe = read_steps(out / "probe-rank0.jsonl")
+    assert [p["step"] for p in probe] == [s["step"] for s in steps]
+    layers = 2 * 2 + 1  # two RMSNorms per decoder layer, one final norm
+    assert all(p["calls"] == layers and p["row_mismatches"] == 0 for p in probe)
+    # The dummy batches before each phase called the kernel outside any step, and only they.
+    a2_first = next(s["step"] for s in steps if s["rows"]["request_ids"][0].startswith("a2-"))
+    outside = [p["outside_so_far"] for p in probe]
+    assert outside[0] > 0
+    assert set(outside[:a2_first]) == {outside[0]} and set(outside[a2_first:]) == {outside[-1]}
+    assert outside[-1] > outside[0]
+
+
+def test_armed_and_disarmed_give_identical_tokens_and_logprobs(armed_runs, tiny_model,
+                                                               tmp_path: Path):
+    _, armed, _ = armed_runs("llama")
+    log = run_script([str(OFFLINE), str(tiny_model("llama")), str(tmp_path / "report.json")],
+                     child_env({"ENGINETAP_OUT": str(tmp_path)}), tmp_path / "run.log")
+    disarmed = json.loads((tmp_path / "report.json").read_text())
+    assert "enginetap armed" not in log
+    assert not list(tmp_path.glob("steps-rank*.jsonl"))
+    assert disarmed["requests"] == armed["requests"]
+    assert all(r["logprobs"] for r in armed["requests"].values())
+
+
+def test_a_failing_step_reader_disarms_and_vllm_goes_on(armed_runs, tiny_model,
+                                                        tmp_path: Path):
+    _, armed, _ = armed_runs("llama")
+    report, log = _run(tiny_model("llama"), tmp_path, ["probe_patches:break_step_reading"])
+    assert "reading vLLM's step failed; the step context disarms" in log
+    assert log.count("enginetap: disarmed in vLLM worker") == 1
+    assert not list(tmp_path.glob("steps-rank*.jsonl"))
+    assert report["requests"] == armed["requests"]

@@ -1,0 +1,68 @@
+"""vLLM's OpenAI server (``VLLMServer``) armed through the plugin; requests over HTTP.
+
+Two concurrent completions, the first prompt again (a prefix-cache hit where the engine
+caches prefixes), then again after ``reset_prefix_cache`` (computed from position 0).
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from step_checks import Request, check_steps, read_steps
+from vllm_harness import child_env
+
+from enginetap.config import ArmConfig
+from enginetap.engines.vllm.server import VLLMServer
+from enginetap.errors import EnginetapError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.25", "--max-model-len", "512",
+        "--max-num-batched-tokens", "32", "--max-num-seqs", "8", "--enable-prefix-caching",
+        "--block-size", "32", "--seed", "0"]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def _complete(server: VLLMServer, prompt: list[int], max_tokens: int) -> dict:
+    return server.complete(prompt, max_tokens, return_token_ids=True, ignore_eos=True)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_next", "deepseek_v3"])
+def test_served_steps_match_the_requests(tiny_model, tmp_path: Path, model: str):
+    a, b = _prompt(200, 1), _prompt(45, 2)
+    arm = ArmConfig(enabled=True, out_dir=tmp_path)
+    with VLLMServer(tiny_model(model), args=ARGS, arm=arm, env=child_env(),
+                    log_path=tmp_path / "server.log") as server:
+        with ThreadPoolExecutor(2) as pool:
+            first = list(pool.map(lambda job: _complete(server, *job), [(a, 6), (b, 8)]))
+        again = _complete(server, a, 3)
+        server.reset_prefix_cache()
+        reset = _complete(server, a, 3)
+    replies = {"a": first[0], "b": first[1], "again": again, "reset": reset}
+    names = {reply["id"]: name for name, reply in replies.items()}
+    requests = {name: Request(r["choices"][0]["prompt_token_ids"], r["choices"][0]["token_ids"])
+                for name, r in replies.items()}
+    # The server names a request "<completion id>-<choice>-<8 hex>".
+    seen = check_steps(read_steps(tmp_path / "steps-rank0.jsonl"), requests,
+                       lambda rid: names[rid.rsplit("-", 2)[0]])
+    assert {"prefill", "decode"} <= seen.modes
+    assert set(seen.first_position) == set(requests)
+    cached = seen.first_position["again"]
+    assert (cached > 0) == (model != "deepseek_v3")  # vLLM CPU disables it for MLA
+    assert cached % 32 == 0 and seen.first_position["reset"] == 0
+
+
+def test_server_that_dies_reports_its_log(tiny_model, tmp_path: Path):
+    server = VLLMServer(tiny_model("llama"), args=["--no-such-flag"], env=child_env(),
+                        log_path=tmp_path / "server.log", startup_timeout=120)
+    with pytest.raises(EnginetapError, match="exited with code") as failure:
+        server.start()
+    assert "--no-such-flag" in str(failure.value)
+    assert server.process is None
