@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+
+VLLM_LOCK = Path("/tmp/enginetap-vllm.lock")
 
 
 def pytest_configure(config):
@@ -23,3 +29,16 @@ def _reset_enginetap_state():
     yield
     config.reset_arming()
     context.reset()
+
+
+@pytest.fixture(scope="session")
+def vllm_lock() -> Iterator[None]:
+    """Hold the machine-wide vLLM lock for the session: one vLLM engine at a time (each
+    takes gigabytes of RAM). One session-wide holder, so tests never wait on themselves."""
+    pytest.importorskip("vllm")
+    with VLLM_LOCK.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

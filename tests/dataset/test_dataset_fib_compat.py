@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import safetensors.torch
 import torch
-from flashinfer_bench.bench.utils import load_safetensors
-from flashinfer_bench.data import SafetensorsInput, ScalarInput, TraceSet
+
+pytest.importorskip("flashinfer_bench.data", reason="flashinfer-bench is not installed")
+
+from flashinfer_bench.bench.utils import load_safetensors  # noqa: E402
+from flashinfer_bench.data import SafetensorsInput, ScalarInput, TraceSet  # noqa: E402
 
 from enginetap.dataset.schema import AxisConst, AxisVar, Definition, TensorSpec
 from tests.dataset.dataset_helpers import copy_definition, random_tensor, same_bits

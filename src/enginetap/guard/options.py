@@ -17,7 +17,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from enginetap.config import ArmConfig, arming
 from enginetap.core.patching import Target
@@ -44,6 +44,16 @@ class GuardOptions(BaseModel):
     """Bound on proven keys per patch (None: the patch's own bound)."""
     record: bool = True
     """When armed, append decisions and mismatches to ``<out_dir>/guard-rank<N>.jsonl``."""
+
+    @field_validator("patches")
+    @classmethod
+    def _validate_patches(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            try:
+                Target.parse(spec)
+            except PatchError:
+                raise ValueError(f"{spec!r} is not 'package.module:function'") from None
+        return value
 
 
 def guard_options(config: ArmConfig | None = None) -> GuardOptions:
@@ -79,12 +89,17 @@ def install_configured(config: ArmConfig | None = None) -> list[str]:
         return []
     called = []
     for spec in guard_options(config).patches:
-        _load_install_function(spec)()
+        load_install_function(spec)()
         called.append(spec)
     return called
 
 
-def _load_install_function(spec: str) -> Any:
+def load_install_function(spec: str) -> Any:
+    """The function ``"package.module:function"`` names.
+
+    Raises:
+        ConfigError: it cannot be imported or is not callable.
+    """
     try:
         target = Target.parse(spec)
         found: Any = importlib.import_module(target.module)
