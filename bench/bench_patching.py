@@ -6,12 +6,12 @@ Two measurements, each interleaved so machine noise hits both sides alike:
 
 1. one wrapped call of a tiny function vs the bare function (the patching layer's own
    per-call cost);
-2. the built-in engine's ``generate`` (a batch of 4 requests, 16 new tokens) disarmed vs
-   armed the way capture/tap arm it: a pass-through wrapper on every decoder layer,
-   attention, MoE, norm and MLP class (``sublayer_targets``) and a step listener that reads
-   every row. The armed run's tokens are checked equal to the disarmed run's.
+2. the built-in engine's ``generate`` (a batch of 4 requests, 16 new tokens) disarmed, with
+   a step listener that reads every row, with a pass-through wrapper on every decoder
+   layer, attention, MoE, norm and MLP class (``sublayer_targets``), and with both (armed
+   the way capture/tap arm it). Every variant's tokens are checked equal to disarmed.
 
-Prints medians and the armed/disarmed ratio.
+Prints medians and the ratios to disarmed.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def _requests() -> list[Request]:
     return [Request(request_id=f"b{i}", prompt=p, max_new_tokens=16) for i, p in enumerate(prompts)]
 
 
-def engine_run(model: str, device: str, repeats: int) -> tuple[float, float, int]:
+def engine_run(model: str, device: str, repeats: int) -> tuple[dict[str, float], int]:
+    """Median ms of generate per arming variant, interleaved; tokens checked each time."""
     engine = HFEngine.from_builtin(model, device=device, prefix_cache_size=0)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     patches = PatchSet("armed", [Patch(t, lambda w, i, a, k: w(*a, **k))
@@ -75,17 +76,24 @@ def engine_run(model: str, device: str, repeats: int) -> tuple[float, float, int
     def listener(step):
         rows.append(sum(step.rows.positions))  # touch every row, as a tap would
 
+    variants = {"disarmed": (False, False), "listener only": (True, False),
+                "wrappers only": (False, True), "armed": (True, True)}
     expected = [c.output_ids for c in engine.generate(_requests())]  # warm-up
-    disarmed, armed = [], []
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
-        disarmed += _median_loop(lambda: engine.generate(_requests()), 1, 1, sync)
-        subscribe(on_begin=listener)
-        with patches:
-            armed += _median_loop(lambda: engine.generate(_requests()), 1, 1, sync)
-            tokens = [c.output_ids for c in engine.generate(_requests())]
-        unsubscribe(listener)
-        assert tokens == expected, "arming changed the engine's tokens"
-    return statistics.median(disarmed), statistics.median(armed), len(patches.patches)
+        for name, (listen, wrap) in variants.items():
+            if listen:
+                subscribe(on_begin=listener)
+            if wrap:
+                patches.install()
+            try:
+                samples[name] += _median_loop(lambda: engine.generate(_requests()), 1, 1, sync)
+                tokens = [c.output_ids for c in engine.generate(_requests())]
+            finally:
+                patches.uninstall()
+                unsubscribe(listener)
+            assert tokens == expected, f"{name}: arming changed the engine's tokens"
+    return {k: statistics.median(v) for k, v in samples.items()}, len(patches.patches)
 
 
 def main() -> None:
@@ -100,10 +108,12 @@ def main() -> None:
     plain, wrapped = per_call(args.repeats)
     print(f"per call: bare {plain * 1e9:.0f} ns, wrapped {wrapped * 1e9:.0f} ns, "
           f"overhead {(wrapped - plain) * 1e9:.0f} ns")
-    off, on, count = engine_run(args.model, args.device, args.repeats)
-    print(f"generate {args.model} (4 requests x 16 tokens): disarmed {off * 1e3:.1f} ms, "
-          f"armed ({count} sublayer classes + step listener) {on * 1e3:.1f} ms, "
-          f"ratio {on / off:.3f}, tokens identical")
+    times, count = engine_run(args.model, args.device, args.repeats)
+    base = times["disarmed"]
+    print(f"generate {args.model} (4 requests x 16 tokens; {count} sublayer classes wrapped), "
+          "tokens identical in every variant:")
+    for name, value in times.items():
+        print(f"  {name:>14}: {value * 1e3:8.1f} ms  ratio {value / base:.3f}")
 
 
 if __name__ == "__main__":
