@@ -8,7 +8,7 @@ transformers' own batched ``generate``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,16 +16,6 @@ import torch
 from enginetap.engines.hf import HFEngine
 
 EngineFactory = Callable[..., HFEngine]
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny matmuls run ~30x faster on one thread when other processes share the 2 cores
-    (OpenMP workers spin-wait for each other); restored after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,55 @@
+"""The contract every registered family keeps, checked once for all of them.
+
+Family-specific numerics live in each family's own test file; this file checks what any
+family must do: its example instantiates to a valid Definition that survives JSON, is
+recognised as enginetap's own, gets deterministic non-trivial synthetic inputs of the
+declared dtypes, and its reference returns the declared output shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginetap.dataset.dtypes import torch_dtype
+from enginetap.dataset.schema import Definition
+from enginetap.definitions.base import compile_reference, known_template, templates
+
+FAMILIES = sorted(templates())
+
+
+def test_every_family_module_registered_something():
+    assert len(FAMILIES) >= 17
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_contract(family: str) -> None:
+    template = templates()[family]
+    definition = template.example_definition()
+    assert Definition.model_validate_json(definition.model_dump_json()) == definition
+    assert known_template(definition) is template
+    axes = dict(template.example_axes)
+    inputs = template.synthetic_inputs(definition, axes, seed=3)
+    again = template.synthetic_inputs(definition, axes, seed=3)
+    other = template.synthetic_inputs(definition, axes, seed=4)
+    assert list(inputs) == list(definition.inputs)
+    changed = False
+    for name, value in inputs.items():
+        spec = definition.inputs[name]
+        if spec.shape is None:
+            assert value == again[name], name
+            continue
+        assert value.dtype == torch_dtype(spec.dtype), name
+        assert tuple(value.shape) == definition.shape_of(spec, axes), name
+        assert torch.equal(value.view(torch.uint8), again[name].view(torch.uint8)), name
+        assert value.view(torch.uint8).ne(0).any(), f"{name} is all zeros"
+        changed |= not torch.equal(value.view(torch.uint8), other[name].view(torch.uint8))
+    assert changed, "another seed gave the same inputs"
+    outputs = compile_reference(definition.reference, definition.name)(**inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    assert len(outputs) == len(definition.outputs)
+    for out, (name, spec) in zip(outputs, definition.outputs.items()):
+        assert tuple(out.shape) == definition.shape_of(spec, axes), name
+        assert out.dtype == torch_dtype(spec.dtype), name
+        if out.is_floating_point():
+            assert not out.isnan().any(), f"{name} has NaN"
