@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from enginetap.errors import ConfigError
+from enginetap.errors import ConfigError, describe_validation
 
 Capability = Literal["step", "capture", "tap", "guard"]
 _TRUE = {"1", "true", "on", "yes"}
@@ -89,7 +89,7 @@ def load_config(environ: dict[str, str] | None = None) -> ArmConfig:
     except ValidationError as exc:
         raise ConfigError(
             "invalid enginetap arming configuration",
-            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()),
+            describe_validation(exc),
             "fix ENGINETAP_* variables or the file named by ENGINETAP_CONFIG",
         ) from None
 

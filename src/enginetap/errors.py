@@ -7,6 +7,7 @@ traceback from deep inside to know what to do.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 
 class EnginetapError(Exception):
@@ -39,6 +40,12 @@ class DatasetError(EnginetapError):
 
 class DefinitionError(EnginetapError):
     """An operator definition is unknown or its parameters are invalid."""
+
+
+def describe_validation(exc: Any) -> str:
+    """One line for a pydantic ``ValidationError``: ``field.path: message; ...``."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}"
+                     for e in exc.errors())
 
 
 class ProblemsError(EnginetapError):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from enginetap.config import ArmConfig, arming
 from enginetap.core.patching import Target
-from enginetap.errors import ConfigError, PatchError
+from enginetap.errors import ConfigError, PatchError, describe_validation
 
 Mode = Literal["check", "compare", "strict", "off"]
 
@@ -69,7 +69,7 @@ def guard_options(config: ArmConfig | None = None) -> GuardOptions:
     except ValidationError as exc:
         raise ConfigError(
             "invalid options.guard in the arming config",
-            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()),
+            describe_validation(exc),
             "see docs/guard.md for the guard options",
         ) from None
 

@@ -30,7 +30,7 @@ from enginetap.core.patching import PatchSet
 from enginetap.core.ranks import rank_world, set_group_resolver
 from enginetap.engines.vllm.recorder import StepRecorder
 from enginetap.engines.vllm.runner import V1_RUNNER, V1_RUNNER_MODULE, V1StepAdapter
-from enginetap.errors import ConfigError
+from enginetap.errors import ConfigError, describe_validation
 from enginetap.guard.options import guard_options, load_install_function
 
 logger = logging.getLogger("enginetap.vllm")
@@ -59,8 +59,7 @@ def step_options(config: ArmConfig) -> StepOptions:
         return StepOptions.model_validate(config.options.get("step", {}))
     except ValidationError as exc:
         raise ConfigError("invalid options.step in the enginetap arming config",
-                          "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                    for e in exc.errors()),
+                          describe_validation(exc),
                           f"use only {', '.join(StepOptions.model_fields)}") from None
 
 
