@@ -27,9 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from enginetap.errors import ConfigError, describe_validation
 
 Capability = Literal["step", "capture", "tap", "guard"]
+ARMING_VARS = ("ENGINETAP", "ENGINETAP_CONFIG", "ENGINETAP_CAPABILITIES", "ENGINETAP_OUT",
+               "ENGINETAP_REQUESTS")
+"""The variables that arm (others, such as ``ENGINETAP_CACHE``, only configure)."""
 _TRUE = {"1", "true", "on", "yes"}
 
-__all__ = ["ArmConfig", "Capability", "arming", "env_says_armed", "reset_arming"]
+__all__ = ["ARMING_VARS", "ArmConfig", "Capability", "arming", "env_says_armed", "reset_arming"]
 
 
 class ArmConfig(BaseModel):

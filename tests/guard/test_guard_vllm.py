@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from enginetap.config import ArmConfig
+from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.guard import GuardLock, check_lock
 from enginetap.guard.examples import vllm_rmsnorm
 
@@ -29,8 +29,8 @@ def model_dir() -> Path:
 def _env(**extra: str) -> dict[str, str]:
     # No stray arming, and vLLM's default process layout unless a test asks otherwise.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ENGINETAP") and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                           "VLLM_PLUGINS")}
+           if k not in ARMING_VARS and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                  "VLLM_PLUGINS")}
     return {**env, **extra}
 
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from enginetap.cli.vllm import app
-from enginetap.config import ArmConfig
+from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.core.context import Step, StepRows, publish
 from enginetap.engines.vllm.recorder import StepRecorder, filter_rows
 from enginetap.engines.vllm.server import VLLMServer, free_port
@@ -68,13 +68,13 @@ def test_server_environment_replaces_the_callers_arming(tmp_path: Path,
     monkeypatch.setenv("ENGINETAP_CAPABILITIES", "tap")
     disarmed = VLLMServer(tmp_path / "model", log_path=tmp_path / "a.log")
     env = disarmed.environment()
-    assert not {k for k in env if k.startswith("ENGINETAP")}
+    assert not set(env) & set(ARMING_VARS)
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     config = ArmConfig(enabled=True, capabilities=["step"], out_dir=tmp_path / "out")
     armed = VLLMServer(tmp_path / "model", arm=config, env={"X_EXTRA": "1"},
                        log_path=tmp_path / "b.log", port=free_port())
     env = armed.environment()
-    assert {k for k in env if k.startswith("ENGINETAP")} == {"ENGINETAP_CONFIG"}
+    assert set(env) & set(ARMING_VARS) == {"ENGINETAP_CONFIG"}
     assert ArmConfig.model_validate_json(Path(env["ENGINETAP_CONFIG"]).read_text()) == config
     assert env["X_EXTRA"] == "1"
     command = armed.command()

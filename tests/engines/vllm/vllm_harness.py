@@ -13,13 +13,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from enginetap.config import ARMING_VARS
+
 HERE = Path(__file__).parent
 OFFLINE = HERE / "offline_run.py"
 
 
 def child_env(extra: Mapping[str, str] = ()) -> dict[str, str]:
     """Our environment without arming, with this folder importable (probe patches)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINETAP")}
+    env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     env.update(extra)
     return env

@@ -24,13 +24,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from enginetap.config import ArmConfig
+from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.errors import EnginetapError
 
 __all__ = ["VLLMServer", "free_port"]
-
-_ARMING_VARS = ("ENGINETAP", "ENGINETAP_CONFIG", "ENGINETAP_CAPABILITIES", "ENGINETAP_OUT",
-                "ENGINETAP_REQUESTS")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,7 +83,7 @@ class VLLMServer:
 
         With ``arm`` set, writes the config beside the log and names it in the result.
         """
-        env = {k: v for k, v in os.environ.items() if k not in _ARMING_VARS}
+        env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
         env.update(self.extra_env)
         if self.arm is not None:
