@@ -20,19 +20,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from enginetap.errors import ConfigError, describe_validation
 
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
 Capability = Literal["step", "capture", "tap", "guard"]
 ARMING_VARS = ("ENGINETAP", "ENGINETAP_CONFIG", "ENGINETAP_CAPABILITIES", "ENGINETAP_OUT",
                "ENGINETAP_REQUESTS")
 """The variables that arm (others, such as ``ENGINETAP_CACHE``, only configure)."""
 _TRUE = {"1", "true", "on", "yes"}
 
-__all__ = ["ARMING_VARS", "ArmConfig", "Capability", "arming", "env_says_armed", "reset_arming"]
+__all__ = ["ARMING_VARS", "ArmConfig", "Capability", "arming", "env_says_armed", "parse_options",
+           "reset_arming"]
 
 
 class ArmConfig(BaseModel):
@@ -87,14 +89,20 @@ def load_config(environ: dict[str, str] | None = None) -> ArmConfig:
         data["out_dir"] = env["ENGINETAP_OUT"]
     if "ENGINETAP_REQUESTS" in env:
         data["request_filter"] = env["ENGINETAP_REQUESTS"]
+    return parse_options(ArmConfig, data, "invalid enginetap arming configuration",
+                         "fix ENGINETAP_* variables or the file named by ENGINETAP_CONFIG")
+
+
+def parse_options(model: type[OptionsT], raw: Any, what: str, fix: str) -> OptionsT:
+    """Validate ``raw`` as ``model`` (an ``ArmConfig`` or a capability's options).
+
+    Raises:
+        ConfigError: naming ``what`` failed, every invalid field, and ``fix``.
+    """
     try:
-        return ArmConfig.model_validate(data)
+        return model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(
-            "invalid enginetap arming configuration",
-            describe_validation(exc),
-            "fix ENGINETAP_* variables or the file named by ENGINETAP_CONFIG",
-        ) from None
+        raise ConfigError(what, describe_validation(exc), fix) from None
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

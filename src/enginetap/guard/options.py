@@ -17,11 +17,11 @@ import importlib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from enginetap.config import ArmConfig, arming
+from enginetap.config import ArmConfig, arming, parse_options
 from enginetap.core.patching import Target
-from enginetap.errors import ConfigError, PatchError, describe_validation
+from enginetap.errors import ConfigError, PatchError
 
 Mode = Literal["check", "compare", "strict", "off"]
 
@@ -63,15 +63,9 @@ def guard_options(config: ArmConfig | None = None) -> GuardOptions:
         ConfigError: ``options.guard`` is not a valid :class:`GuardOptions`.
     """
     config = arming() if config is None else config
-    raw = config.options.get("guard", {})
-    try:
-        return GuardOptions.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(
-            "invalid options.guard in the arming config",
-            describe_validation(exc),
-            "see docs/guard.md for the guard options",
-        ) from None
+    return parse_options(GuardOptions, config.options.get("guard", {}),
+                         "invalid options.guard in the arming config",
+                         "see docs/guard.md for the guard options")
 
 
 def install_configured(config: ArmConfig | None = None) -> list[str]:

@@ -23,14 +23,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from enginetap.config import ArmConfig
+from enginetap.config import ArmConfig, parse_options
 from enginetap.core.patching import PatchSet
 from enginetap.core.ranks import rank_world, set_group_resolver
 from enginetap.engines.vllm.recorder import StepRecorder
 from enginetap.engines.vllm.runner import V1_RUNNER, V1_RUNNER_MODULE, V1StepAdapter
-from enginetap.errors import ConfigError, describe_validation
 from enginetap.guard.options import guard_options, load_install_function
 
 logger = logging.getLogger("enginetap.vllm")
@@ -55,12 +54,9 @@ class StepOptions(BaseModel):
 
 def step_options(config: ArmConfig) -> StepOptions:
     """Raises: ConfigError: ``options.step`` holds an unknown key or a wrong type."""
-    try:
-        return StepOptions.model_validate(config.options.get("step", {}))
-    except ValidationError as exc:
-        raise ConfigError("invalid options.step in the enginetap arming config",
-                          describe_validation(exc),
-                          f"use only {', '.join(StepOptions.model_fields)}") from None
+    return parse_options(StepOptions, config.options.get("step", {}),
+                         "invalid options.step in the enginetap arming config",
+                         f"use only {', '.join(StepOptions.model_fields)}")
 
 
 def runner_triggers(config: ArmConfig) -> PatchSet:
