@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from enginetap.cli.vllm import app
 from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.core.context import Step, StepRows, publish
-from enginetap.engines.vllm.recorder import StepRecorder, filter_rows
+from enginetap.core.recorder import StepRecorder, filter_rows
 from enginetap.engines.vllm.server import VLLMServer, free_port
 from enginetap.errors import ConfigError
 

@@ -6,7 +6,8 @@ publishes a step context around every model forward, like enginetap's vLLM adapt
 
 from __future__ import annotations
 
+from enginetap.engines.hf.arming import arm, disarm
 from enginetap.engines.hf.engine import HFEngine
 from enginetap.engines.hf.requests import Completion, Request
 
-__all__ = ["Completion", "HFEngine", "Request"]
+__all__ = ["Completion", "HFEngine", "Request", "arm", "disarm"]

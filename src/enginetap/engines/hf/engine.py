@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from enginetap.config import ArmConfig
 from enginetap.core.context import Mode, Step, publish
+from enginetap.engines.hf.arming import arm as arm_process
 from enginetap.engines.hf.batch import Plan, Sequence, plan_decode, plan_prefill
 from enginetap.engines.hf.prefix import LayerKV, PrefixCache
 from enginetap.engines.hf.requests import Completion, Request, prompt_ids_of
@@ -57,12 +59,20 @@ def _eos_ids(model: Any) -> set[int]:
 class HFEngine:
     """Batched greedy / seeded generation over a transformers model, one step at a time.
 
+    Armed by the same :class:`~enginetap.config.ArmConfig` as vLLM (``arm=``, or the
+    process's ``ENGINETAP_*`` arming by default; see :mod:`enginetap.engines.hf.arming`).
+
     Raises:
-        ConfigError: ``model_dir`` holds no loadable transformers model.
+        ConfigError: ``model_dir`` holds no loadable transformers model, or the arming
+            config is invalid or conflicts with the process's arming.
     """
 
     def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, prefix_cache_size: int = 16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, prefix_cache_size: int = 16,
+                 arm: ArmConfig | None = None) -> None:
+        # Arm before the model is built (patches on layer classes must precede it):
+        # ``arm`` or, by default, the process's ENGINETAP_* arming.
+        self.arming = arm_process(arm)
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.model, self.tokenizer = _load(self.model_dir, self.device, dtype)

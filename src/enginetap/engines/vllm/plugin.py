@@ -67,7 +67,8 @@ def _request_amx() -> None:
 
 def _arm_process() -> None:
     from enginetap.config import arming
-    from enginetap.engines.vllm.worker import runner_triggers, setup_logging
+    from enginetap.core.arming import setup_logging
+    from enginetap.engines.vllm.worker import runner_triggers
 
     setup_logging()
     config = arming()

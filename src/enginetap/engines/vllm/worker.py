@@ -1,36 +1,28 @@
 """Arming inside vLLM worker processes, triggered by the construction of a model runner.
 
 A process that builds a model runner is a worker: its tensor-parallel group exists and
-its model is not loaded yet. That is where the capabilities go:
-
-- ``step``: the V1 runner's step context (:mod:`.runner`), plus the step recorder
-  (``options.step.record``, default true) and the tensor-parallel self-check
-  (``options.step.selfcheck_gather``, default false);
-- ``guard``: each ``"module:function"`` of ``options.guard.patches`` is imported and
-  called; it installs its own patches and may return an object with ``uninstall()``;
-- ``capture``, ``tap``: not in this version; said so in the log, nothing installed.
+its model is not loaded yet. That is where the capabilities go, as
+:class:`~enginetap.core.arming.Arming` installs them in every engine; vLLM supplies the
+step source (the V1 runner adapter, :mod:`.runner`), the tensor-parallel group, and the
+optional TP self-check (``options.step.selfcheck_gather``, default false).
 
 Any failure is logged and the worker disarms itself; vLLM goes on serving.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
-from enginetap.config import ArmConfig, parse_options
+from enginetap.config import ArmConfig
+from enginetap.core.arming import Arming, StepOptions, step_options
 from enginetap.core.patching import PatchSet
 from enginetap.core.ranks import rank_world, set_group_resolver
-from enginetap.engines.vllm.recorder import StepRecorder
 from enginetap.engines.vllm.runner import V1_RUNNER, V1_RUNNER_MODULE, V1StepAdapter
-from enginetap.guard.options import guard_options, load_install_function
+from enginetap.guard.options import guard_options
 
 logger = logging.getLogger("enginetap.vllm")
 
@@ -38,25 +30,7 @@ V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 
 RunnerKind = Literal["v1", "v2"]
 
-__all__ = ["StepOptions", "WorkerArming", "disarm_worker", "runner_triggers", "step_options"]
-
-
-class StepOptions(BaseModel):
-    """``options.step`` of the arming config."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    record: bool = True
-    """Write every real step to ``<out_dir>/steps-rank<r>.jsonl``."""
-    selfcheck_gather: bool = False
-    """After the model loads, gather its sharded weights (see :mod:`.selfcheck`)."""
-
-
-def step_options(config: ArmConfig) -> StepOptions:
-    """Raises: ConfigError: ``options.step`` holds an unknown key or a wrong type."""
-    return parse_options(StepOptions, config.options.get("step", {}),
-                         "invalid options.step in the enginetap arming config",
-                         f"use only {', '.join(StepOptions.model_fields)}")
+__all__ = ["WorkerArming", "disarm_worker", "runner_triggers"]
 
 
 def runner_triggers(config: ArmConfig) -> PatchSet:
@@ -93,74 +67,35 @@ def vllm_tp_group() -> Any:
 
 
 @dataclass
-class WorkerArming:
-    """What one worker process armed; installed once, uninstalled on any failure."""
+class WorkerArming(Arming):
+    """What one vLLM worker process armed (see :class:`~enginetap.core.arming.Arming`)."""
 
-    config: ArmConfig
-    runner_kind: RunnerKind
-    rank: int = 0
-    world_size: int = 1
-    installed: list[Any] = field(default_factory=list)
-    armed: list[str] = field(default_factory=list)
-    unavailable: list[str] = field(default_factory=list)
+    runner_kind: RunnerKind = "v1"
 
-    def install(self) -> None:
+    def install(self) -> WorkerArming:
         """Raises: ConfigError, PatchError: bad options, or the engine lacks a target."""
         set_group_resolver(vllm_tp_group)
         self.rank, self.world_size = rank_world()
-        for capability in self.config.capabilities:
-            getattr(self, f"_install_{capability}")()
+        self.engine = f"vLLM worker ({self.runner_kind.upper()} runner)"
+        super().install()
+        return self
 
     def uninstall(self) -> None:
-        while self.installed:
-            self.installed.pop().uninstall()
+        super().uninstall()
         set_group_resolver(None)
 
-    def _install_step(self) -> None:
+    def install_step_source(self, options: StepOptions) -> str | None:
         if self.runner_kind != "v1":
             self.unavailable.append("step (vLLM's V2 model runner; only V1 is supported)")
-            return
-        options = step_options(self.config)
+            return None
         adapter = V1StepAdapter(self.rank, self.world_size, on_failure=disarm_worker)
         self.installed.append(adapter.install())
-        what = "step"
-        if options.record:
-            recorder = StepRecorder(self.config.out_dir, self.rank, self.config.request_filter)
-            self.installed.append(recorder.install())
-            what += f" (recording to {recorder.path})"
-        if options.selfcheck_gather:
-            from enginetap.engines.vllm.selfcheck import GatherSelfCheck
+        if not options.selfcheck_gather:
+            return "step"
+        from enginetap.engines.vllm.selfcheck import GatherSelfCheck
 
-            self.installed.append(GatherSelfCheck(self.config.out_dir).install())
-            what += " (gather self-check)"
-        self.armed.append(what)
-
-    def _install_guard(self) -> None:
-        done = []
-        for spec in guard_options(self.config).patches:
-            try:
-                handle = load_install_function(spec)()
-            except Exception:  # one broken guard patch must not take the others down
-                logger.exception("enginetap: guard patch %s failed; skipped", spec)
-                continue
-            done.append(spec)
-            if callable(getattr(handle, "uninstall", None)):
-                self.installed.append(handle)
-        self.armed.append(f"guard ({len(done)} patch(es): {', '.join(done) or 'none'})")
-
-    def _install_capture(self) -> None:
-        self.unavailable.append("capture")
-
-    def _install_tap(self) -> None:
-        self.unavailable.append("tap")
-
-    def summary(self) -> str:
-        text = (f"enginetap armed in vLLM worker pid {os.getpid()} (rank {self.rank} of "
-                f"{self.world_size}, {self.runner_kind.upper()} runner): "
-                f"{'; '.join(self.armed) or 'nothing'}")
-        if self.unavailable:
-            text += f"; not available in this version: {', '.join(self.unavailable)}"
-        return text
+        self.installed.append(GatherSelfCheck(self.config.out_dir).install())
+        return "step (gather self-check)"
 
 
 _WORKER: WorkerArming | None = None
@@ -171,7 +106,7 @@ def arm_worker(config: ArmConfig, kind: RunnerKind) -> None:
     global _WORKER
     if _WORKER is not None:
         return
-    _WORKER = WorkerArming(config, kind)
+    _WORKER = WorkerArming(config, runner_kind=kind)
     try:
         _WORKER.install()
     except Exception:
@@ -186,19 +121,3 @@ def disarm_worker() -> None:
     if _WORKER is not None and _WORKER.installed:
         _WORKER.uninstall()
         logger.warning("enginetap: disarmed in vLLM worker pid %d", os.getpid())
-
-
-def setup_logging() -> None:
-    """Make enginetap's INFO lines visible in vLLM's processes, which only configure 'vllm'.
-
-    Records still propagate, so a host that configured the root logger sees them too.
-    """
-    ours = logging.getLogger("enginetap")
-    if ours.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [enginetap] %(message)s",
-                                           "%m-%d %H:%M:%S"))
-    ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)

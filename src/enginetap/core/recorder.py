@@ -4,6 +4,7 @@ It is an end listener of the step context, so it sees exactly the steps the engi
 adapter published as real, and it lets anyone outside the engine's processes (a test,
 a user) check the step context. Each line is flushed when written, so a crashed
 engine leaves every finished step on disk. ``enginetap vllm merge`` joins the ranks.
+Engine-independent: every engine adapter's published steps look alike here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from enginetap.core import context
 from enginetap.core.context import Step, StepRows
 from enginetap.core.ranks import rank_path
 
-logger = logging.getLogger("enginetap.vllm")
+logger = logging.getLogger("enginetap.recorder")
 
 STEPS_FILE = "steps.jsonl"
 
