@@ -128,17 +128,13 @@ def _write_dataset(root: Path, model_dir: Path, workloads: int) -> Path:
 def _validate_and_replay(root: Path) -> bool:
     from enginetap.dataset import validate_dataset
     from enginetap.replay import replay_dataset
-    from enginetap.replay.report import problem_lines, render_tables
+    from enginetap.replay.report import print_report, summary_line
 
     problems = validate_dataset(root)
     console.print(f"[bold]4. validate[/] {'ok' if not problems else f'{len(problems)} problem(s)'}")
     for line in problems:
         console.print(f"  {line}", markup=False, highlight=False)
     report = replay_dataset(root, progress=console.is_terminal)
-    for table in render_tables(report):
-        console.print(table)
-    for line in problem_lines(report):
-        console.print(line, markup=False, highlight=False)
-    counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
-    console.print(f"[bold]5. replay[/] {'ok' if report.ok else 'not ok'}: {counts}")
+    print_report(console, report)
+    console.print(f"[bold]5. replay[/] {summary_line(report)}")
     return report.ok and not problems

@@ -57,7 +57,7 @@ def replay(
     """Run each definition's reference on the stored inputs and compare with the engine's
     outputs (and with --solution's); exit 1 if anything does not pass."""
     from enginetap.replay import replay_dataset
-    from enginetap.replay.report import problem_lines, render_tables
+    from enginetap.replay.report import print_report, summary_line
 
     if solution and os.getcwd() not in sys.path:
         # As `python -m` would: a solution module next to where the user runs the command.
@@ -65,13 +65,8 @@ def replay(
     report = replay_dataset(dataset, definitions=definition, solution=solution,
                             trust_dataset_code=trust_dataset_code, device=device,
                             warmup=warmup, repeats=repeats, progress=err.is_terminal)
-    for table in render_tables(report):
-        out.print(table)
-    for line in problem_lines(report):
-        out.print(line, markup=False, highlight=False)
-    counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
-    out.print(f"{'ok' if report.ok else 'not ok'}: {counts or 'nothing to replay'}",
-              markup=False, highlight=False)
+    print_report(out, report)
+    out.print(summary_line(report), markup=False, highlight=False)
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)

@@ -5,17 +5,19 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import typer
 from rich.console import Console
+
+from enginetap.config import Capability
 
 app = typer.Typer(help="vLLM: serve armed, merge per-rank outputs.", no_args_is_help=True)
 
 out = Console()
 err = Console(stderr=True)
 
-_CAPABILITIES = ("step", "capture", "tap", "guard")
+_CAPABILITIES = get_args(Capability)
 
 
 def _arming(arm: str, out_dir: Path, requests: str):

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, computed_field
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
 from enginetap.replay.compare import Comparison
@@ -121,6 +122,20 @@ class ReplayReport(BaseModel):
             for w in d.workloads:
                 out.extend([c.status for c in w.checks] or [w.status])
         return out
+
+
+def summary_line(report: ReplayReport) -> str:
+    """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``ok: nothing to replay``."""
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
+    return f"{'ok' if report.ok else 'not ok'}: {counts or 'nothing to replay'}"
+
+
+def print_report(console: Console, report: ReplayReport) -> None:
+    """The per-definition tables, then one line per problem (plain text, no markup)."""
+    for table in render_tables(report):
+        console.print(table)
+    for line in problem_lines(report):
+        console.print(line, markup=False, highlight=False)
 
 
 def render_tables(report: ReplayReport) -> list[Table]:
