@@ -5,11 +5,25 @@ vLLM plugin), so capture/tap/guard code never asks which engine it runs in.
 
 Environment (read once per process, the first time :func:`arming` is called):
 
-- ``ENGINETAP`` — ``1``/``true``/``on`` arms; anything else (or unset) leaves it disarmed.
-- ``ENGINETAP_CONFIG`` — path of a JSON file holding an :class:`ArmConfig`; arms by itself.
+- ``ENGINETAP`` — ``1``/``true``/``on``/``yes`` arms; ``0``/``false``/``off``/``no`` disarms
+  whatever else is set (a config file included); unset defers to ``ENGINETAP_CONFIG``.
+- ``ENGINETAP_CONFIG`` — path of a JSON file holding an :class:`ArmConfig`; arms by itself
+  unless the file says ``"enabled": false``.
 - ``ENGINETAP_CAPABILITIES`` — comma list, e.g. ``step,tap`` (overrides the file).
 - ``ENGINETAP_OUT`` — output directory (overrides the file).
 - ``ENGINETAP_REQUESTS`` — substring filter on request ids (overrides the file).
+- ``ENGINETAP_STRICT`` — ``1``: an invalid arming config raises in the engine process.
+
+One behaviour for every engine: an invalid config read from the environment is logged as
+one what/why/fix error and the process runs **disarmed** (a host program must not die of
+a bad enginetap config), unless ``ENGINETAP_STRICT=1`` asks for the error to be raised
+(:func:`resolve_process_config`). A config object passed explicitly in Python
+(``HFEngine(arm=ArmConfig(...))``) is validated when it is built and raises there.
+
+Capability names and options are validated against :data:`enginetap.capabilities.REGISTRY`
+when the config is parsed: an unknown capability or option is refused then, not later.
+Only the engines' entry points (the vLLM plugin, the built-in engine) resolve the process
+config; features receive it in their :class:`~enginetap.core.capability.ArmContext`.
 
 :func:`env_says_armed` looks only at ``os.environ``: callers that must stay free when
 disarmed (the vLLM plugin) check it before importing anything else.
@@ -18,23 +32,35 @@ disarmed (the vLLM plugin) check it before importing anything else.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from enginetap.errors import ConfigError, describe_validation
 
+logger = logging.getLogger("enginetap.config")
+
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
-Capability = Literal["step", "capture", "tap", "guard"]
 ARMING_VARS = ("ENGINETAP", "ENGINETAP_CONFIG", "ENGINETAP_CAPABILITIES", "ENGINETAP_OUT",
-               "ENGINETAP_REQUESTS")
+               "ENGINETAP_REQUESTS", "ENGINETAP_STRICT")
 """The variables that arm (others, such as ``ENGINETAP_CACHE``, only configure)."""
 _TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no"}
+MAX_CONFIG_BYTES = 1 << 20
 
-__all__ = ["ARMING_VARS", "ArmConfig", "Capability", "arming", "env_says_armed", "parse_options",
-           "reset_arming"]
+__all__ = ["ARMING_VARS", "ArmConfig", "arming", "capability_names", "env_says_armed",
+           "load_config", "parse_options", "reset_arming", "resolve_process_config"]
+
+
+def capability_names() -> list[str]:
+    """The capabilities this enginetap can arm, in installation order."""
+    from enginetap.capabilities import REGISTRY
+
+    return REGISTRY.names
 
 
 class ArmConfig(BaseModel):
@@ -44,8 +70,9 @@ class ArmConfig(BaseModel):
 
     enabled: bool = False
     """Whether anything is armed at all."""
-    capabilities: list[Capability] = Field(default_factory=lambda: ["step"])
-    """Capabilities to install; ``step`` (the step context) is implied by every other one."""
+    capabilities: list[str] = Field(default_factory=lambda: ["step"])
+    """Capabilities to install (``enginetap.capabilities``); ``step`` (the step context) is
+    implied by every other one."""
     out_dir: Path = Path("enginetap-out")
     """Directory for per-rank output files."""
     request_filter: str = ""
@@ -53,19 +80,34 @@ class ArmConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     """Capability-specific options, by capability name."""
 
-    @field_validator("capabilities")
-    @classmethod
-    def _validate_capabilities(cls, value: list[str]) -> list[str]:
-        ordered = list(dict.fromkeys(value))
-        if ordered and "step" not in ordered:
-            ordered.insert(0, "step")
-        return ordered
+    _parsed: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _validate_against_registry(self) -> ArmConfig:
+        from enginetap.capabilities import REGISTRY
+
+        try:
+            self.capabilities = REGISTRY.order(self.capabilities)
+            self._parsed = REGISTRY.validate(self.capabilities, self.options)
+        except ConfigError as exc:
+            raise ValueError(f"{exc.what}: {exc.why} ({exc.fix})") from None
+        return self
+
+    def parsed_options(self) -> dict[str, BaseModel]:
+        """Every capability's validated options model (defaults where none were given)."""
+        return dict(self._parsed)
 
 
 def env_says_armed(environ: dict[str, str] | None = None) -> bool:
-    """Cheap check: does the environment ask for arming? Imports nothing."""
+    """Cheap check: does the environment ask for arming? Imports nothing.
+
+    ``ENGINETAP=0`` (or false/off/no) says no whatever else is set.
+    """
     env = os.environ if environ is None else environ
-    return env.get("ENGINETAP", "").strip().lower() in _TRUE or bool(env.get("ENGINETAP_CONFIG"))
+    flag = env.get("ENGINETAP", "").strip().lower()
+    if flag in _FALSE:
+        return False
+    return flag in _TRUE or bool(env.get("ENGINETAP_CONFIG"))
 
 
 def load_config(environ: dict[str, str] | None = None) -> ArmConfig:
@@ -82,7 +124,8 @@ def load_config(environ: dict[str, str] | None = None) -> ArmConfig:
         data = _read_config_file(Path(path))
     if not env_says_armed(env):
         return ArmConfig()
-    data["enabled"] = True
+    flag = env.get("ENGINETAP", "").strip().lower()
+    data["enabled"] = True if flag in _TRUE else data.get("enabled", True)
     if env.get("ENGINETAP_CAPABILITIES"):
         data["capabilities"] = [c.strip() for c in env["ENGINETAP_CAPABILITIES"].split(",") if c.strip()]
     if env.get("ENGINETAP_OUT"):
@@ -106,14 +149,26 @@ def parse_options(model: type[OptionsT], raw: Any, what: str, fix: str) -> Optio
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
+    fix = "write the file as a JSON object of ArmConfig fields"
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found", "ENGINETAP_CONFIG names it",
+        info = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read", exc.strerror or str(exc),
                           "point ENGINETAP_CONFIG at an existing JSON file") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"config file {path} is not a regular file",
+                          "it is a directory or a special file", fix)
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is too large", f"{info.st_size} bytes", fix)
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read", str(exc), fix) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text", "it holds binary data",
+                          fix) from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON", str(exc),
-                          "write the file as a JSON object of ArmConfig fields") from None
+        raise ConfigError(f"config file {path} is not valid JSON", str(exc), fix) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} is not a JSON object", f"it holds {type(data).__name__}",
                           "write the file as a JSON object of ArmConfig fields")
@@ -124,11 +179,42 @@ _ARMING: ArmConfig | None = None
 
 
 def arming() -> ArmConfig:
-    """The process's arming, read from the environment the first time and then kept."""
+    """The process's arming, read from the environment the first time and then kept.
+
+    Raises:
+        ConfigError: the environment's config is invalid (see :func:`resolve_process_config`
+            for the non-raising form the engines use).
+    """
     global _ARMING
     if _ARMING is None:
         _ARMING = load_config()
     return _ARMING
+
+
+def resolve_process_config(environ: dict[str, str] | None = None) -> ArmConfig:
+    """The engines' entry: the process's arming, or disarmed if the config is invalid.
+
+    An invalid config is logged once (what, why, fix) and the process runs disarmed,
+    unless ``ENGINETAP_STRICT=1``.
+
+    Raises:
+        ConfigError: the config is invalid and ``ENGINETAP_STRICT=1``.
+    """
+    global _ARMING
+    env = os.environ if environ is None else environ
+    if _ARMING is not None and environ is None:
+        return _ARMING
+    try:
+        config = load_config(env)
+    except ConfigError as exc:
+        if env.get("ENGINETAP_STRICT", "").strip().lower() in _TRUE:
+            raise
+        logger.error("enginetap: %s; running disarmed (ENGINETAP_STRICT=1 makes this fatal)",
+                     exc)
+        config = ArmConfig()
+    if environ is None:
+        _ARMING = config
+    return config
 
 
 def reset_arming(config: ArmConfig | None = None) -> None:

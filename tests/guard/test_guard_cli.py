@@ -72,7 +72,7 @@ def test_install_configured_calls_each_patch_when_armed():
     spec = f"{__name__}:install_for_test"
     armed = ArmConfig(enabled=True, capabilities=["guard"], options={"guard": {"patches": [spec]}})
     assert install_configured(armed) == [spec] and INSTALLED == ["called"]
-    not_guard = ArmConfig(enabled=True, capabilities=["tap"], options=armed.options)
+    not_guard = ArmConfig(enabled=True, capabilities=["step"], options=armed.options)
     assert install_configured(not_guard) == [] and INSTALLED == ["called"]
     broken = ArmConfig(enabled=True, capabilities=["guard"],
                        options={"guard": {"patches": [f"{__name__}:no_such_function"]}})

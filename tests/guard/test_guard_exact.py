@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from enginetap.config import ArmConfig, reset_arming
+from pydantic import ValidationError
+
+from enginetap.capabilities import arm
+from enginetap.config import ArmConfig
 from enginetap.errors import ConfigError
 from enginetap.guard import ExactnessError, ExactPatch
 
@@ -281,9 +284,20 @@ def test_off_mode_runs_stock_only():
             patch.mode = "sometimes"  # type: ignore[assignment]
 
 
-def test_mode_and_records_come_from_the_arming_config(tmp_path):
-    reset_arming(ArmConfig(enabled=True, capabilities=["guard"], out_dir=tmp_path,
-                           options={"guard": {"mode": "compare", "max_keys": 3}}))
+def test_mode_and_records_come_from_the_installed_arming(tmp_path):
+    armed = arm(ArmConfig(enabled=True, capabilities=["guard"], out_dir=tmp_path,
+                          options={"guard": {"mode": "compare", "max_keys": 3}}))
+    try:
+        _patch_under_arming(tmp_path)
+    finally:
+        armed.uninstall()
+    with ExactPatch(f"{HERE}:rms_norm", rms_norm_by_rows) as patch:  # disarmed: defaults
+        assert (patch.mode, patch.dump_dir) == ("check", None)
+    with pytest.raises(ValidationError, match="options.guard"):
+        ArmConfig(enabled=True, options={"guard": {"mode": "always"}})
+
+
+def _patch_under_arming(tmp_path):
     with ExactPatch(f"{HERE}:rms_norm", rms_norm_split_above_8) as patch:
         assert (patch.mode, patch.max_keys) == ("compare", 3)
         _module().rms_norm(*_inputs(20))
@@ -295,6 +309,4 @@ def test_mode_and_records_come_from_the_arming_config(tmp_path):
     assert [(e["event"], e["mode"]) for e in events] == [("mismatch", "compare"),
                                                          ("decision", "check")]
     assert events[1]["chosen"] == "patched" and events[1]["key"].startswith("(bfloat16[4, 64]")
-    reset_arming(ArmConfig(enabled=True, options={"guard": {"mode": "always"}}))
-    with pytest.raises(ConfigError, match="options.guard"):
-        ExactPatch(f"{HERE}:rms_norm", rms_norm_by_rows).install()
+    assert all(isinstance(e["step"], int) for e in events)  # mergeable like step records

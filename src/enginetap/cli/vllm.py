@@ -5,19 +5,18 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Optional, get_args
+from typing import Optional
 
 import typer
 from rich.console import Console
 
-from enginetap.config import Capability
+from enginetap.config import capability_names
 
 app = typer.Typer(help="vLLM: serve armed, merge per-rank outputs.", no_args_is_help=True)
 
 out = Console()
 err = Console(stderr=True)
 
-_CAPABILITIES = get_args(Capability)
 
 
 def _arming(arm: str, out_dir: Path, requests: str):
@@ -25,10 +24,10 @@ def _arming(arm: str, out_dir: Path, requests: str):
     from enginetap.errors import ConfigError
 
     capabilities = [c.strip() for c in arm.split(",") if c.strip()]
-    unknown = sorted(set(capabilities) - set(_CAPABILITIES))
+    unknown = sorted(set(capabilities) - set(capability_names()))
     if unknown:
         raise ConfigError(f"unknown capability {', '.join(unknown)}",
-                          f"the capabilities are {', '.join(_CAPABILITIES)}",
+                          f"the capabilities are {', '.join(capability_names())}",
                           "pass --arm as a comma list of those, or --arm none")
     if not capabilities:
         return None

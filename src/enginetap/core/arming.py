@@ -1,15 +1,14 @@
-"""Installing what an :class:`~enginetap.config.ArmConfig` asks for, alike in every engine.
+"""Installing what an arming config asks for, alike in every engine.
 
-One :class:`Arming` per armed engine process. Each capability installs through one
-method; an engine adapter subclasses it and supplies what only the engine knows:
-where its steps come from (:meth:`Arming.install_step_source`) and how it names itself.
+One :class:`Arming` per armed engine process. It installs the config's capabilities in
+the registry's order, each through its own install function handed one
+:class:`~enginetap.core.capability.ArmContext`, and uninstalls them as a whole. What only
+the engine knows (where its steps come from, which model it loaded, its TP group) comes
+from the engine adapter's :class:`~enginetap.core.capability.EngineHooks`; nothing here
+subclasses per engine or reads the environment.
 
-- ``step``: the engine's step source, plus the step recorder (``options.step.record``,
-  default true) writing ``<out_dir>/steps-rank<r>.jsonl``;
-- ``guard``: each ``"module:function"`` of ``options.guard.patches`` is imported and
-  called; it installs its own patches and may return an object with ``uninstall()``.
-  One broken guard patch is logged and skipped: the engine serves its stock path;
-- ``capture``, ``tap``: not in this version; listed as unavailable, nothing installed.
+``step`` is core's own capability (:data:`STEP`): the engine's step source, plus the step
+recorder (``options.step.record``, default true) writing ``<out_dir>/steps-rank<r>.jsonl``.
 """
 
 from __future__ import annotations
@@ -22,12 +21,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from enginetap.config import ArmConfig, parse_options
+from enginetap.core.capability import (ArmContext, ArmSpec, Capability, CapabilityRegistry,
+                                       EngineHooks, InstallResult, set_current_arming)
 from enginetap.core.recorder import StepRecorder
 
 logger = logging.getLogger("enginetap.arming")
 
-__all__ = ["Arming", "StepOptions", "setup_logging", "step_options"]
+__all__ = ["STEP", "Arming", "StepOptions", "setup_logging"]
 
 
 def setup_logging() -> None:
@@ -57,82 +57,88 @@ class StepOptions(BaseModel):
     """vLLM only: after the model loads, gather its sharded weights (a TP self-check)."""
 
 
-def step_options(config: ArmConfig) -> StepOptions:
-    """Raises: ConfigError: ``options.step`` holds an unknown key or a wrong type."""
-    return parse_options(StepOptions, config.options.get("step", {}),
-                         "invalid options.step in the enginetap arming config",
-                         f"use only {', '.join(StepOptions.model_fields)}")
+class _Group:
+    """Several installed things uninstalled as one, last first."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def uninstall(self) -> None:
+        while self.parts:
+            self.parts.pop().uninstall()
+
+
+def install_step(context: ArmContext) -> InstallResult:
+    """The ``step`` capability: the engine's step source plus the recorder."""
+    options = context.options_of("step")
+    assert isinstance(options, StepOptions)
+    source = context.hooks.install_step_source(context)
+    if source is None:
+        context.notes["steps"] = False
+        return None, "step (unavailable in this engine)"
+    installed, what = source
+    parts = [installed] if installed is not None else []
+    if options.record:
+        recorder = StepRecorder(context.out_dir, context.rank, context.config.request_filter)
+        parts.append(recorder.install())
+        what += f" (recording to {recorder.path})"
+    context.notes["steps"] = True
+    return _Group(parts), what
+
+
+STEP = Capability("step", StepOptions, install_step,
+                  "the step context (rows, modes, slots) and its recorder", needs=())
 
 
 @dataclass
 class Arming:
-    """What one engine process armed; installed once, uninstalled as a whole."""
+    """What one engine process armed; installed once, uninstalled as a whole.
 
-    config: ArmConfig
-    engine: str = "engine"
+    ``options`` are the config's validated options (``ArmConfig.parsed_options()``);
+    while installed, :func:`~enginetap.core.capability.current_arming` returns its context.
+    """
+
+    config: ArmSpec
+    registry: CapabilityRegistry
+    options: dict[str, BaseModel]
+    hooks: EngineHooks = field(default_factory=EngineHooks)
     rank: int = 0
     world_size: int = 1
     installed: list[Any] = field(default_factory=list)
     armed: list[str] = field(default_factory=list)
-    unavailable: list[str] = field(default_factory=list)
+    context: ArmContext | None = None
 
     def install(self) -> Arming:
-        """Install every capability of the config, in order.
+        """Install every capability of the config, in registry order.
 
         Raises:
-            ConfigError: invalid options. PatchError: the engine lacks a patch target.
-            On any error the caller should :meth:`uninstall` what was installed so far.
+            ConfigError: an unknown capability. PatchError: the engine lacks a patch
+            target. Whatever an install function raises. On any error everything
+            installed so far is uninstalled before the error propagates.
         """
-        for capability in self.config.capabilities:
-            getattr(self, f"_install_{capability}")()
+        names = self.registry.order(self.config.capabilities)
+        self.context = ArmContext(self.config, names, self.options, self.hooks,
+                                  self.rank, self.world_size)
+        set_current_arming(self.context)
+        try:
+            for name in names:
+                if name != "step" and self.context.notes.get("steps") is False:
+                    self.armed.append(f"{name} (needs the step context: not armed)")
+                    continue
+                handle, what = self.registry.get(name).install_function()(self.context)
+                if handle is not None:
+                    self.installed.append(handle)
+                self.armed.append(what)
+        except BaseException:
+            self.uninstall()
+            raise
         return self
 
     def uninstall(self) -> None:
         while self.installed:
             self.installed.pop().uninstall()
-
-    def install_step_source(self, options: StepOptions) -> str | None:
-        """Make the engine publish its steps; returns what it armed, or None if it cannot.
-
-        The default is an engine that always publishes (the built-in engine).
-        """
-        return "step"
-
-    def _install_step(self) -> None:
-        options = step_options(self.config)
-        what = self.install_step_source(options)
-        if what is None:
-            return
-        if options.record:
-            recorder = StepRecorder(self.config.out_dir, self.rank, self.config.request_filter)
-            self.installed.append(recorder.install())
-            what += f" (recording to {recorder.path})"
-        self.armed.append(what)
-
-    def _install_guard(self) -> None:
-        from enginetap.guard.options import guard_options, load_install_function
-
-        done = []
-        for spec in guard_options(self.config).patches:
-            try:
-                handle = load_install_function(spec)()
-            except Exception:  # one broken guard patch must not take the others down
-                logger.exception("enginetap: guard patch %s failed; skipped", spec)
-                continue
-            done.append(spec)
-            if callable(getattr(handle, "uninstall", None)):
-                self.installed.append(handle)
-        self.armed.append(f"guard ({len(done)} patch(es): {', '.join(done) or 'none'})")
-
-    def _install_capture(self) -> None:
-        self.unavailable.append("capture")
-
-    def _install_tap(self) -> None:
-        self.unavailable.append("tap")
+        set_current_arming(None)
 
     def summary(self) -> str:
-        text = (f"enginetap armed in {self.engine} pid {os.getpid()} (rank {self.rank} of "
-                f"{self.world_size}): {'; '.join(self.armed) or 'nothing'}")
-        if self.unavailable:
-            text += f"; not available in this version: {', '.join(self.unavailable)}"
-        return text
+        return (f"enginetap armed in {self.hooks.engine} pid {os.getpid()} (rank {self.rank} "
+                f"of {self.world_size}): {'; '.join(self.armed) or 'nothing'}")

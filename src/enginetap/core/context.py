@@ -6,7 +6,13 @@ flattened batch the request id, position and token id, plus the placement metada
 engine has (query start, computed-token counts, KV slot, recurrent-state slot).
 
 Rows are per token in the engine's own layout. Engines reorder requests between steps, so
-consumers must key on ``(request_id, position)``, never on row index across steps.
+consumers must key on ``(request_key, position)``, never on row index across steps.
+``request_key`` is stable across runs of the same prompts (vLLM appends a random suffix to
+its request ids; the key drops it), ``request_id`` is the engine's own id.
+
+A step ends after the engine sampled its tokens (both engines): end listeners see
+``Step.sampled``. :meth:`Step.device_rows` gives the row metadata as device tensors, built
+once per step on first use, so GPU consumers never pay a host sync each.
 
 Capture, tap and guard code reads :func:`current_step` and subscribes to step begin/end;
 it never asks which engine it runs in.
@@ -16,15 +22,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 logger = logging.getLogger("enginetap.context")
 
 Mode = Literal["prefill", "decode", "mixed"]
 
-__all__ = ["Mode", "Step", "StepRows", "abandon", "current_step", "publish", "subscribe",
-           "unsubscribe"]
+__all__ = ["Mode", "Step", "StepRows", "abandon", "current_step", "publish", "step_number",
+           "subscribe", "unsubscribe"]
+
+_ROW_COLUMNS = ("positions", "token_ids", "query_start", "computed_host", "computed_device",
+                "kv_slots", "state_slots", "token_index", "request_keys")
 
 
 @dataclass(slots=True)
@@ -43,21 +52,43 @@ class StepRows:
     kv_slots: list[int] | None = None
     """Flat KV-cache slot the row's key/value is written to."""
     state_slots: list[int] | None = None
-    """Recurrent-state slot (hybrid models), per row."""
+    """Recurrent-state slot (hybrid models), per row (the first recurrent group's)."""
+    token_index: list[int] | None = None
+    """The row's index in the model's flattened token tensor (``[batch * columns]`` in a
+    padded engine, the row itself in a flat one)."""
+    request_keys: list[str] | None = None
+    """Run-independent request key per row (None: the request ids are such keys)."""
+    kv_groups: dict[str, list[int]] | None = None
+    """KV slot per row for every attention cache group, by group name (``kv_slots`` is
+    the first group's)."""
+    state_groups: dict[str, list[int]] | None = None
+    """Recurrent-state slot per row for every recurrent cache group, by group name."""
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
-        for name in ("positions", "token_ids", "query_start", "computed_host",
-                     "computed_device", "kv_slots", "state_slots"):
+        for name in _ROW_COLUMNS:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"StepRows.{name} has {len(value)} rows, request_ids has {n}")
+        for name in ("kv_groups", "state_groups"):
+            for group, value in (getattr(self, name) or {}).items():
+                if len(value) != n:
+                    raise ValueError(f"StepRows.{name}[{group!r}] has {len(value)} rows, "
+                                     f"request_ids has {n}")
+
+    @property
+    def keys(self) -> list[str]:
+        """The request key of every row (the id where the engine's ids are stable)."""
+        return self.request_keys if self.request_keys is not None else self.request_ids
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def rows_of(self, request_id: str) -> list[int]:
         return [i for i, r in enumerate(self.request_ids) if r == request_id]
+
+    def rows_of_key(self, key: str) -> list[int]:
+        return [i for i, r in enumerate(self.keys) if r == key]
 
 
 @dataclass(slots=True)
@@ -70,7 +101,16 @@ class Step:
     rows: StepRows
     rank: int = 0
     world_size: int = 1
+    padded_tokens: int | None = None
+    """Tokens the forward really computes, padding included (CUDA-graph style padding,
+    left padding of a batch); None where it equals ``len(rows)``."""
+    kv_block_size: int | None = None
+    """Tokens per KV-cache block (None: the engine has no paged cache)."""
+    sampled: dict[str, int] = field(default_factory=dict)
+    """Sampled token per request key, filled when the step ends."""
     extra: dict[str, Any] = field(default_factory=dict)
+    _device: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False,
+                                                compare=False)
 
     @staticmethod
     def mode_of(prefill_rows: int, decode_rows: int) -> Mode:
@@ -78,8 +118,30 @@ class Step:
             return "mixed"
         return "prefill" if prefill_rows else "decode"
 
+    def device_rows(self, column: str, device: Any) -> Any:
+        """Row column ``column`` (e.g. ``"token_index"``) as an int64 tensor on ``device``,
+        built on first use and kept for the rest of the step.
+
+        Raises:
+            KeyError: ``column`` is not a row column or the engine does not fill it.
+        """
+        cache_key = (column, str(device))
+        found = self._device.get(cache_key)
+        if found is None:
+            if column not in _ROW_COLUMNS:
+                raise KeyError(f"{column!r} is not a row column ({', '.join(_ROW_COLUMNS)})")
+            values = getattr(self.rows, column)
+            if values is None:
+                raise KeyError(f"this engine does not fill rows.{column}")
+            import torch
+
+            found = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+            self._device[cache_key] = found
+        return found
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: (asdict(self.rows) if f.name == "rows" else getattr(self, f.name))
+                for f in fields(self) if not f.name.startswith("_")}
 
 
 Listener = Callable[[Step], None]
@@ -88,6 +150,7 @@ Listener = Callable[[Step], None]
 @dataclass(slots=True)
 class _Context:
     step: Step | None = None
+    last: int = -1
     on_begin: list[Listener] = field(default_factory=list)
     on_end: list[Listener] = field(default_factory=list)
 
@@ -98,6 +161,11 @@ _CTX = _Context()
 def current_step() -> Step | None:
     """The step being executed, or None outside a published step."""
     return _CTX.step
+
+
+def step_number() -> int:
+    """The step in flight, else the last published one, else -1 (never decreases)."""
+    return _CTX.step.step if _CTX.step is not None else _CTX.last
 
 
 def subscribe(on_begin: Listener | None = None, on_end: Listener | None = None) -> None:
@@ -124,8 +192,9 @@ def _notify(listeners: list[Listener], step: Step) -> None:
 class publish:
     """Context manager an engine adapter wraps around one real step.
 
-    ``with publish(step): ...`` makes ``step`` current, notifies begin listeners, and on
-    exit notifies end listeners and clears it (also when the step raised).
+    ``with publish(step): ...`` makes ``step`` current and notifies begin listeners; on a
+    normal exit it notifies end listeners and clears it. A step whose body raised is
+    abandoned (cleared without end listeners): it produced no tokens, so it is not real.
     """
 
     __slots__ = ("_step",)
@@ -135,10 +204,14 @@ class publish:
 
     def __enter__(self) -> Step:
         _CTX.step = self._step
+        _CTX.last = max(_CTX.last, self._step.step)
         _notify(_CTX.on_begin, self._step)
         return self._step
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, *exc: object) -> None:
+        if exc_type is not None:
+            _CTX.step = None
+            return
         try:
             _notify(_CTX.on_end, self._step)
         finally:
@@ -157,5 +230,6 @@ def abandon() -> None:
 def reset() -> None:
     """Drop the current step and every listener (tests, re-arming)."""
     _CTX.step = None
+    _CTX.last = -1
     _CTX.on_begin.clear()
     _CTX.on_end.clear()

@@ -15,6 +15,7 @@ by the original itself propagate unchanged: they are the engine's, not ours.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import sys
@@ -33,8 +34,8 @@ logger = logging.getLogger("enginetap.patching")
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 
-__all__ = ["Patch", "PatchSet", "ReachesCaller", "Target", "WrapperError", "bind_arguments",
-           "call_signature"]
+__all__ = ["Patch", "PatchSet", "ReachesCaller", "ResolveError", "Target", "WrapperError",
+           "bind_arguments", "call_signature", "lookup_raw", "resolve"]
 
 
 class ReachesCaller(Exception):
@@ -73,6 +74,64 @@ class Target:
 
     def __str__(self) -> str:
         return f"{self.module}:{self.qualname}"
+
+
+class ResolveError(PatchError):
+    """A ``"module:qualname"`` does not resolve. ``kind`` says why: ``missing-module`` (not
+    installed), ``import-failed`` (its import raised) or ``missing-attribute``."""
+
+    def __init__(self, spec: str, kind: str, why: str) -> None:
+        self.kind = kind
+        super().__init__(f"cannot resolve {spec}", why,
+                         "check the name against the installed package's version")
+
+
+_MISSING = object()
+
+
+def lookup_raw(owner: Any, name: str) -> Any:
+    """``owner.name`` as stored (a class's ``__dict__`` along its MRO first, so descriptors
+    such as ``property`` or ``classmethod`` come back unbound); ``_MISSING`` if absent."""
+    for klass in owner.__mro__ if isinstance(owner, type) else (owner,):
+        try:
+            namespace = vars(klass)
+        except TypeError:
+            break
+        if name in namespace:
+            return namespace[name]
+    return getattr(owner, name, _MISSING)
+
+
+def resolve(spec: str | Target, *, raw: bool = False) -> Any:
+    """The object ``"package.module:Qualname.attr"`` names, importing its module.
+
+    ``raw`` reads each attribute as stored (see :func:`lookup_raw`) instead of through
+    ``getattr``. The one resolver of enginetap: patch targets, guard pins and patches,
+    capture probes all go through it.
+
+    Raises:
+        PatchError: ``spec`` is malformed. ResolveError: the module is not installed, its
+            import raised (the error is named), or an attribute is missing.
+    """
+    target = spec if isinstance(spec, Target) else Target.parse(spec)
+    try:
+        found: Any = importlib.import_module(target.module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        kind = ("missing-module" if target.module == missing
+                or target.module.startswith(missing + ".") else "import-failed")
+        raise ResolveError(str(target), kind, f"importing {target.module} failed: {exc!r}"
+                           ) from None
+    except Exception as exc:  # a module that fails to import cannot be resolved
+        raise ResolveError(str(target), "import-failed",
+                           f"importing {target.module} failed: {exc!r}") from None
+    for part in target.qualname.split("."):
+        value = lookup_raw(found, part) if raw else getattr(found, part, _MISSING)
+        if value is _MISSING:
+            raise ResolveError(str(target), "missing-attribute",
+                               f"{part!r} is missing on {getattr(found, '__name__', found)!r}")
+        found = value
+    return found
 
 
 @dataclass(frozen=True)

@@ -2,22 +2,20 @@
 
 It is an end listener of the step context, so it sees exactly the steps the engine
 adapter published as real, and it lets anyone outside the engine's processes (a test,
-a user) check the step context. Each line is flushed when written, so a crashed
-engine leaves every finished step on disk. ``enginetap vllm merge`` joins the ranks.
+a user) check the step context. Lines go through the one per-rank writer
+(:mod:`enginetap.core.jsonl`) and its durability rule. ``enginetap vllm merge`` joins the ranks.
 Engine-independent: every engine adapter's published steps look alike here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import IO
 
 from enginetap.core import context
 from enginetap.core.context import Step, StepRows
-from enginetap.core.ranks import rank_path
+from enginetap.core.jsonl import RankJsonl
 
 logger = logging.getLogger("enginetap.recorder")
 
@@ -34,9 +32,9 @@ class StepRecorder:
     """
 
     def __init__(self, out_dir: Path, rank: int, request_filter: str = "") -> None:
-        self.path = rank_path(Path(out_dir) / STEPS_FILE, rank)
+        self._writer = RankJsonl(Path(out_dir) / STEPS_FILE, rank)
+        self.path = self._writer.path
         self.request_filter = request_filter
-        self._sink: IO[str] | None = None
 
     def install(self) -> StepRecorder:
         """Start recording: subscribe to the end of every published step."""
@@ -46,30 +44,24 @@ class StepRecorder:
     def uninstall(self) -> None:
         """Stop recording and close the file."""
         context.unsubscribe(self.write)
-        if self._sink is not None:
-            self._sink.close()
-            self._sink = None
+        self._writer.close()
 
     def write(self, step: Step) -> None:
         """Append ``step`` (its matching rows) as one line and flush it.
 
-        Raises:
-            OSError: the output directory cannot be created or written (the step context
-                contains listener errors, so the engine goes on).
+        A write error (unwritable or full output directory) is logged once and recording
+        stops; the engine goes on.
         """
         rows = filter_rows(step.rows, self.request_filter)
         if not len(rows):
             return
-        record = replace(step, rows=rows).to_json()
-        sink = self._open()
-        sink.write(json.dumps(record, separators=(",", ":")) + "\n")
-        sink.flush()
-
-    def _open(self) -> IO[str]:
-        if self._sink is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._sink = self.path.open("w", encoding="utf-8")
-        return self._sink
+        try:
+            self._writer.write(replace(step, rows=rows).to_json(), step=step.step)
+        except OSError as exc:
+            context.unsubscribe(self.write)
+            logger.error("enginetap: cannot write %s (%s); step recording stops, the engine "
+                         "goes on. Fix: point ENGINETAP_OUT / out_dir at a writable directory",
+                         self.path, exc)
 
 
 def filter_rows(rows: StepRows, request_filter: str) -> StepRows:
@@ -77,8 +69,11 @@ def filter_rows(rows: StepRows, request_filter: str) -> StepRows:
     if not request_filter:
         return rows
     keep = [i for i, r in enumerate(rows.request_ids) if request_filter in r]
-    picked = {}
+    picked: dict = {}
     for column in fields(StepRows):
         values = getattr(rows, column.name)
-        picked[column.name] = None if values is None else [values[i] for i in keep]
+        if isinstance(values, dict):
+            picked[column.name] = {g: [v[i] for i in keep] for g, v in values.items()}
+        else:
+            picked[column.name] = None if values is None else [values[i] for i in keep]
     return StepRows(**picked)

@@ -23,7 +23,6 @@ thread calls a patched operator at a time, as engines do per rank.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
@@ -31,16 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
-import torch
 
-from enginetap.config import arming
 from enginetap.core.patching import Patch, ReachesCaller, WrapperError, call_signature
-from enginetap.core.ranks import agree, rank_path, rank_world
+from enginetap.core.jsonl import RankJsonl
+from enginetap.core.ranks import agree, rank_world
 from enginetap.errors import ConfigError
-from enginetap.guard.bits import Difference, compare_bits, dump_mismatch, flatten, summarize
+from enginetap.core.tensors import (Difference, capturing, clone_tree, compare_bits, flatten,
+                                    holds_tensor, summarize)
+from enginetap.guard.bits import dump_mismatch
 from enginetap.guard.keys import KeyFunction, describe_key, shape_key
 from enginetap.guard.lock import GuardLock, check_lock
-from enginetap.guard.options import Mode, guard_options
+from enginetap.guard.options import Mode, active_guard_options
 
 logger = logging.getLogger("enginetap.guard")
 
@@ -90,7 +90,7 @@ class ExactPatch:
         mutates: names of the arguments the stock path writes in place; ``None`` (default)
             clones every argument that holds a tensor. Cloned arguments are compared too.
         mode: ``check`` / ``compare`` / ``strict`` / ``off``; ``None`` takes
-            ``options.guard.mode`` from the arming config, else ``check``.
+            ``options.guard.mode`` of the process's installed arming, else ``check``.
         lock: a :class:`GuardLock` or its path, checked by :meth:`install`.
         group: process group for agreement (``None``: the default group).
         max_keys: bound on remembered decisions (``options.guard.max_keys`` overrides it).
@@ -156,12 +156,11 @@ class ExactPatch:
         self.uninstall()
 
     def _configure(self) -> None:
-        config = arming()
-        options = guard_options(config)
+        options, config = active_guard_options()
         self._mode = self._explicit_mode or options.mode or "check"
         if options.max_keys is not None:
             self.max_keys = options.max_keys
-        if config.enabled:
+        if config is not None and config.enabled:
             if self.dump_dir is None:
                 self.dump_dir = options.dump_dir or config.out_dir / "guard-dumps"
             if options.record:
@@ -226,7 +225,7 @@ class ExactPatch:
     # ------------------------------------------------------------------ proofs
     def _prove(self, key: Hashable, wrapped: Callable[..., Any], instance: Any,
                args: tuple, kwargs: dict) -> Any:
-        if _capturing():
+        if capturing():
             # No collectives and no side runs inside torch.compile tracing or graph capture;
             # every rank compiles / captures the same calls, so they stay in step.
             return wrapped(*args, **kwargs)
@@ -276,10 +275,10 @@ class ExactPatch:
             trial.cloned = self._cloned_names(bound)
             if self.dump_dir is not None and not self.dumps:
                 # The caller's arguments are still untouched here: keep them for the dump.
-                trial.pristine = {n: _clone(bound.arguments[n]) for n in trial.cloned}
+                trial.pristine = {n: clone_tree(bound.arguments[n]) for n in trial.cloned}
             side = call_signature(wrapped).bind(*args, **kwargs)
             for name in trial.cloned:
-                side.arguments[name] = _clone(side.arguments[name])
+                side.arguments[name] = clone_tree(side.arguments[name])
             out = self._run_patched(instance, side.args, side.kwargs)
             trial.patched_leaves = flatten(out) + _argument_leaves(side.arguments, trial.cloned)
         except Exception as exc:  # a patched path that raises (or cannot be run) is not exact
@@ -288,13 +287,13 @@ class ExactPatch:
 
     def _cloned_names(self, bound: inspect.BoundArguments) -> list[str]:
         if self.mutates is None:
-            return [n for n, v in bound.arguments.items() if _holds_tensor(v)]
+            return [n for n, v in bound.arguments.items() if holds_tensor(v)]
         unknown = [n for n in self.mutates if n not in bound.signature.parameters]
         if unknown:
             # A misspelt name would hand the caller's own tensors to the patched run.
             raise ValueError(f"mutates names {unknown}, which {self.target} does not take")
         return [n for n in self.mutates if n in bound.arguments
-                and _holds_tensor(bound.arguments[n])]
+                and holds_tensor(bound.arguments[n])]
 
     def _remember(self, decision: Decision) -> None:
         self._cache[decision.key] = decision
@@ -332,12 +331,9 @@ class ExactPatch:
             return
         rank = rank_world(self.group)[0]
         try:
-            path = rank_path(self._records, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            line = json.dumps({"event": event, "op": self.name, "key": describe_key(key),
-                               "rank": rank, "mode": self._mode, **fields}, sort_keys=True)
-            with path.open("a") as handle:
-                handle.write(line + "\n")
+            RankJsonl(self._records, rank).write({
+                "event": event, "op": self.name, "key": describe_key(key), "mode": self._mode,
+                **fields})
         except OSError as exc:
             logger.error("enginetap guard %s: cannot write record: %s", self.name, exc)
 
@@ -357,34 +353,5 @@ def _valid_mode(mode: str) -> Mode:
     return mode  # type: ignore[return-value]
 
 
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_holds_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    return False
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    if isinstance(value, tuple):
-        items = [_clone(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
-
-
 def _argument_leaves(arguments: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
     return [pair for n in names for pair in flatten(arguments[n], f"arg.{n}")]
-
-
-def _capturing() -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

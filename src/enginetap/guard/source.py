@@ -22,7 +22,7 @@ out does not count as drift; every other change, comments included, does.
 from __future__ import annotations
 
 import hashlib
-import importlib
+
 import importlib.metadata as metadata
 import inspect
 import textwrap
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from enginetap.core.patching import Target
+from enginetap.core.patching import ResolveError, Target, resolve
 
 ALGORITHM = "sha256"
 
@@ -78,36 +78,13 @@ def read_target(spec: str) -> TargetSource:
 
 def _resolve(target: Target) -> Any:
     try:
-        obj: Any = importlib.import_module(target.module)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if target.module == missing or target.module.startswith(missing + "."):
-            raise Vanished(f"module {missing!r} is not installed") from exc
-        raise Unreadable(f"importing {target.module} failed: {exc!r}") from exc
-    except Exception as exc:  # a module that fails to import cannot be checked
-        raise Unreadable(f"importing {target.module} failed: {exc!r}") from exc
-    for part in target.qualname.split("."):
-        # Read from __dict__ first: getattr would bind descriptors (property, classmethod)
-        # and hide what they wrap.
-        found = _lookup(obj, part)
-        if found is _MISSING:
-            raise Vanished(f"{part!r} is missing on {getattr(obj, '__name__', obj)!r}")
-        obj = found
-    return obj
-
-
-_MISSING = object()
-
-
-def _lookup(owner: Any, name: str) -> Any:
-    for klass in owner.__mro__ if isinstance(owner, type) else (owner,):
-        try:
-            namespace = vars(klass)
-        except TypeError:
-            break
-        if name in namespace:
-            return namespace[name]
-    return getattr(owner, name, _MISSING)
+        return resolve(target, raw=True)
+    except ResolveError as exc:
+        if exc.kind == "import-failed":
+            raise Unreadable(exc.why) from None
+        if exc.kind == "missing-module":
+            raise Vanished(f"module {target.module!r} is not installed") from None
+        raise Vanished(exc.why) from None
 
 
 def _source_parts(obj: Any, where: str) -> tuple[str, list[tuple[str, str]]]:

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.engines.hf import arm, disarm
@@ -49,7 +50,7 @@ def _run(tmp_path: Path, armed: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     if armed:
-        config = ArmConfig(capabilities=["step", "guard"], out_dir=tmp_path / "out",
+        config = ArmConfig(enabled=True, capabilities=["step", "guard"], out_dir=tmp_path / "out",
                            options={"guard": {"patches": ["et_hf_guard_patch:install"]}})
         (tmp_path / "arm.json").write_text(config.model_dump_json())
         env["ENGINETAP_CONFIG"] = str(tmp_path / "arm.json")
@@ -91,7 +92,47 @@ def test_arming_is_per_process_and_conflicts_are_refused(tmp_path: Path):
             arm(ArmConfig(enabled=True, capabilities=["step"], out_dir=tmp_path / "b"))
     finally:
         disarm()
-    with pytest.raises(ConfigError, match="options.step"):
-        arm(ArmConfig(enabled=True, options={"step": {"recrod": True}}))
-    assert arm(ArmConfig(enabled=True, capabilities=["tap"], out_dir=tmp_path)).unavailable == ["tap"]
-    disarm()
+    # Options and capability names are refused when the config is built, not when armed.
+    with pytest.raises(ValidationError, match="recrod"):
+        ArmConfig(enabled=True, options={"step": {"recrod": True}})
+    with pytest.raises(ValidationError, match="unknown capability 'teleport'"):
+        ArmConfig(enabled=True, capabilities=["teleport"])
+
+
+EXPLICIT = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+    from enginetap.config import ArmConfig
+    from enginetap.engines.hf import HFEngine, Request
+    out = Path(sys.argv[1])
+    explicit = ArmConfig(enabled=True, capabilities=["guard"], out_dir=out / "explicit",
+                         options={"guard": {"mode": "compare",
+                                            "patches": ["et_hf_guard_patch:install"]}})
+    engine = HFEngine.from_builtin("llama", arm=explicit)
+    engine.generate([Request(request_id="x", prompt="kernels", max_new_tokens=2)])
+    from enginetap.guard.options import active_guard_options
+    options, config = active_guard_options()
+    print(json.dumps({"mode": options.mode, "out": str(config.out_dir)}))
+''')
+
+
+def test_explicit_config_wins_over_the_environment_for_every_capability(tmp_path: Path):
+    """The environment arms differently (other out dir, guard mode, no patches): the
+    engine built with an explicit config follows the explicit one in every capability."""
+    (tmp_path / "et_hf_guard_patch.py").write_text(PATCH)
+    env_config = tmp_path / "env.json"
+    env_config.write_text(json.dumps({"capabilities": ["guard"], "out_dir": str(tmp_path / "env"),
+                                      "options": {"guard": {"mode": "off"}}}))
+    env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
+    env.update(ENGINETAP="1", ENGINETAP_CONFIG=str(env_config),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", EXPLICIT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"mode": "compare", "out": str(tmp_path / "explicit")}
+    assert (tmp_path / "explicit" / "steps-rank0.jsonl").is_file()
+    # compare mode (the explicit config's) proves nothing, so it records no decision
+    records = tmp_path / "explicit" / "guard-rank0.jsonl"
+    assert not records.exists() or "decision" not in records.read_text()
+    assert not (tmp_path / "env").exists()

@@ -45,7 +45,10 @@ def test_prefill_and_decode_rows_match_the_schedule(name: str, hf_engine) -> Non
     assert rows.token_ids == prompts[0] + prompts[1]
     assert rows.query_start == [0] * 4 + [4] * 7 and rows.computed_host == [0] * 11
     assert prefill.extra["input_shape"] == [2, 7]
-    assert prefill.extra["token_index"] == [3, 4, 5, 6] + list(range(7, 14))
+    assert rows.token_index == [3, 4, 5, 6] + list(range(7, 14))
+    assert prefill.padded_tokens == 14 and rows.keys == rows.request_ids
+    # the step ends after sampling: each request's first output token is on the step
+    assert prefill.sampled == {c.request_id: c.output_ids[0] for c in done}
     kv_seen = set(rows.kv_slots)
     for k, step in enumerate(decodes):
         alive = [c for c in done if len(c.output_ids) > k + 1]
@@ -54,6 +57,7 @@ def test_prefill_and_decode_rows_match_the_schedule(name: str, hf_engine) -> Non
         assert step.rows.token_ids == [c.output_ids[k] for c in alive]
         assert step.rows.computed_host == step.rows.positions
         assert step.rows.query_start == list(range(len(alive)))
+        assert step.sampled == {c.request_id: c.output_ids[k + 1] for c in alive}
         assert not kv_seen & set(step.rows.kv_slots)  # every token gets its own slot
         kv_seen |= set(step.rows.kv_slots)
     recurrent = name == "qwen3_next"

@@ -1,25 +1,43 @@
 """Arming the built-in engine with the same :class:`~enginetap.config.ArmConfig` as vLLM.
 
-The built-in engine publishes every step by itself, so ``step`` only adds the recorder;
-``guard`` installs the configured guard patches in this process. Arming is per process
-(as in a vLLM worker): the first engine built in an armed process arms it, later engines
-share that arming, and :func:`disarm` removes it.
+The built-in engine publishes every step by itself; its :class:`HFHooks` tell the
+capabilities which model was loaded and which of its classes are sublayers. Arming is per
+process (as in a vLLM worker): the first engine built in an armed process arms it, later
+engines share that arming, and :func:`disarm` removes it.
+
+This is one of the two entry points that resolve the process's config from the
+environment (:func:`~enginetap.config.resolve_process_config`: an invalid config is
+logged and the engine runs disarmed, unless ``ENGINETAP_STRICT=1``).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from enginetap.config import ArmConfig, arming
+from enginetap.capabilities import arm as arm_capabilities
+from enginetap.config import ArmConfig, resolve_process_config
 from enginetap.core.arming import Arming, setup_logging
+from enginetap.core.capability import EngineHooks
 from enginetap.core.ranks import rank_world
+from enginetap.core.scope import sublayer_targets
+from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.errors import ConfigError
 
 logger = logging.getLogger("enginetap.hf")
 
-__all__ = ["arm", "disarm"]
+__all__ = ["HFHooks", "arm", "disarm"]
 
 _ARMED: Arming | None = None
+
+
+class HFHooks(EngineHooks):
+    """The built-in engine: it publishes its own steps; sublayers by class-name suffix."""
+
+    engine = "the built-in transformers engine"
+
+    def sublayer_targets(self, model: Any) -> list[str]:
+        return sublayer_targets(model, SUBLAYERS)
 
 
 def arm(config: ArmConfig | None = None) -> Arming | None:
@@ -29,10 +47,11 @@ def arm(config: ArmConfig | None = None) -> Arming | None:
 
     Raises:
         ConfigError: the process is already armed with a different config (disarm first),
-            or the config's options are invalid. Nothing stays installed on error.
+            or (only with ``ENGINETAP_STRICT=1``) the environment's config is invalid.
+            Nothing stays installed on error.
     """
     global _ARMED
-    config = arming() if config is None else config
+    config = resolve_process_config() if config is None else config
     if not config.enabled:
         return None
     if _ARMED is not None:
@@ -42,17 +61,10 @@ def arm(config: ArmConfig | None = None) -> Arming | None:
                               "call enginetap.engines.hf.arming.disarm() first")
         return _ARMED
     rank, world = rank_world()
-    armed = Arming(config, engine="the built-in transformers engine", rank=rank,
-                   world_size=world)
-    try:
-        armed.install()
-    except Exception:
-        armed.uninstall()
-        raise
-    _ARMED = armed
+    _ARMED = arm_capabilities(config, HFHooks(), rank, world)
     setup_logging()
-    logger.info("%s", armed.summary())
-    return armed
+    logger.info("%s", _ARMED.summary())
+    return _ARMED
 
 
 def disarm() -> None:

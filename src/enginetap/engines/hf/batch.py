@@ -20,9 +20,10 @@ Step rows, per token the step computes (pads are never rows):
   ``P + S + max_new_tokens``, ``cache_index`` the column above. Unique within a call.
 - ``state_slots`` (recurrent models only): the request's ``slot``, the state it updates.
 
-``Step.extra["token_index"]`` gives each row's flat index into the forward's
-``input_ids`` (``row * columns + column``), so a tap can pick the row out of a
-``[batch, columns, ...]`` tensor; ``Step.extra["input_shape"]`` is that shape.
+``rows.token_index`` gives each row's flat index into the forward's ``input_ids``
+(``row * columns + column``), so a tap can pick the row out of a ``[batch, columns, ...]``
+tensor; ``Step.padded_tokens`` is ``batch * columns`` and ``Step.extra["input_shape"]``
+the shape.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class _Rows:
 
     def build(self, recurrent: bool) -> StepRows:
         return StepRows(self.ids, self.pos, self.tok, self.start, self.computed,
-                        kv_slots=self.kv, state_slots=self.state if recurrent else None)
+                        kv_slots=self.kv, state_slots=self.state if recurrent else None,
+                        token_index=self.index)
 
 
 def plan_prefill(seqs: list[Sequence], pad_id: int, capacity: int, recurrent: bool,

@@ -76,6 +76,8 @@ class HFEngine:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.model, self.tokenizer = _load(self.model_dir, self.device, dtype)
+        if self.arming is not None:
+            self.arming.hooks.model_loaded(self.model)
         config = self.model.config
         self.vocab_size: int = config.vocab_size
         self.max_positions: int = config.max_position_embeddings
@@ -142,23 +144,28 @@ class HFEngine:
             s.request.max_new_tokens for s in seqs)
         plan = plan_prefill(seqs, self.pad_id, capacity, self.recurrent, self.device)
         past = self._assemble_prefix(seqs, reused) if reused else None
-        logits, cache = self._forward("prefill", plan, past)
-        self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
-        alive, mask = self._advance(seqs, logits, cache, plan.attention_mask)
+        alive, mask, cache = self._step("prefill", plan, past, seqs, reused)
         while alive:
             plan = plan_decode(alive, mask, capacity, self.recurrent)
-            logits, cache = self._forward("decode", plan, cache)
-            alive, mask = self._advance(alive, logits, cache, plan.attention_mask)
+            alive, mask, cache = self._step("decode", plan, cache, alive, reused)
 
-    def _forward(self, mode: Mode, plan: Plan, past: Any) -> tuple[torch.Tensor, Any]:
-        step = Step(ENGINE, self._steps, mode, plan.rows, extra={
-            "input_shape": list(plan.input_ids.shape), "token_index": plan.token_index})
+    def _step(self, mode: Mode, plan: Plan, past: Any, seqs: list[Sequence],
+              reused: int) -> tuple[list[Sequence], torch.Tensor, Any]:
+        """One published step: the forward, then sampling (the step ends after it)."""
+        step = Step(ENGINE, self._steps, mode, plan.rows,
+                    padded_tokens=plan.input_ids.numel(),
+                    extra={"input_shape": list(plan.input_ids.shape)})
         with publish(step):
             out = self.model(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
                              position_ids=plan.position_ids, past_key_values=past,
                              use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            if mode == "prefill":
+                self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
+            alive, mask = self._advance(seqs, out.logits[:, -1, :], cache, plan.attention_mask)
+            step.sampled = {s.request.request_id: s.output[-1] for s in seqs}
         self._steps += 1
-        return out.logits[:, -1, :], out.past_key_values
+        return alive, mask, cache
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, cache: Any,
                  mask: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:

@@ -42,7 +42,9 @@ def register() -> None:
 
         if env_says_armed():
             _arm_process()
-    except Exception:  # vLLM does not catch plugin errors: report, disarm, let it serve
+    except Exception as exc:  # vLLM does not catch plugin errors: report, disarm, let it serve
+        if _strict() and type(exc).__name__ == "ConfigError":
+            raise  # ENGINETAP_STRICT=1: the user asked for a bad config to stop vLLM
         logger.exception("enginetap: arming failed; vLLM continues without enginetap")
         disarm()
 
@@ -56,6 +58,10 @@ def disarm() -> None:
         worker.disarm_worker()
 
 
+def _strict() -> bool:
+    return os.environ.get("ENGINETAP_STRICT", "").strip().lower() in {"1", "true", "on", "yes"}
+
+
 def _request_amx() -> None:
     if os.environ.get("ENGINETAP_AMX", "1").strip().lower() in {"0", "false", "off", "no"}:
         return
@@ -66,12 +72,12 @@ def _request_amx() -> None:
 
 
 def _arm_process() -> None:
-    from enginetap.config import arming
+    from enginetap.config import resolve_process_config
     from enginetap.core.arming import setup_logging
     from enginetap.engines.vllm.worker import runner_triggers
 
     setup_logging()
-    config = arming()
+    config = resolve_process_config()
     if not config.enabled:
         return
     triggers = runner_triggers(config)

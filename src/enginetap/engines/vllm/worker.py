@@ -2,9 +2,10 @@
 
 A process that builds a model runner is a worker: its tensor-parallel group exists and
 its model is not loaded yet. That is where the capabilities go, as
-:class:`~enginetap.core.arming.Arming` installs them in every engine; vLLM supplies the
-step source (the V1 runner adapter, :mod:`.runner`), the tensor-parallel group, and the
-optional TP self-check (``options.step.selfcheck_gather``, default false).
+:class:`~enginetap.core.arming.Arming` installs them in every engine; vLLM's
+:class:`VLLMHooks` supply the step source (the V1 runner adapter, :mod:`.runner`), each
+loaded model, the sublayer classes, the tensor-parallel group, and the optional TP
+self-check (``options.step.selfcheck_gather``, default false).
 
 Any failure is logged and the worker disarms itself; vLLM goes on serving.
 """
@@ -14,15 +15,17 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Literal
 
+from enginetap.capabilities import arm as arm_capabilities
 from enginetap.config import ArmConfig
-from enginetap.core.arming import Arming, StepOptions, step_options
-from enginetap.core.patching import PatchSet
+from enginetap.core.arming import Arming, StepOptions
+from enginetap.core.capability import ArmContext, EngineHooks, InstallResult
+from enginetap.core.patching import PatchSet, bind_arguments
 from enginetap.core.ranks import rank_world, set_group_resolver
+from enginetap.core.scope import SublayerSpec, sublayer_targets
 from enginetap.engines.vllm.runner import V1_RUNNER, V1_RUNNER_MODULE, V1StepAdapter
-from enginetap.guard.options import guard_options
+from enginetap.engines.vllm.selfcheck import AFTER_LOADING
 
 logger = logging.getLogger("enginetap.vllm")
 
@@ -30,17 +33,23 @@ V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 
 RunnerKind = Literal["v1", "v2"]
 
-__all__ = ["WorkerArming", "disarm_worker", "runner_triggers"]
+SUBLAYERS = SublayerSpec(
+    suffixes=("DecoderLayer", "Attention", "MoE", "SparseMoeBlock", "GatedDeltaNet", "MLP"),
+    classes=("vllm.model_executor.layers.layernorm:RMSNorm",
+             "vllm.model_executor.layers.layernorm:RMSNormGated",
+             "vllm.model_executor.layers.fused_moe.layer:FusedMoE",
+             "vllm.model_executor.layers.attention.mla_attention:MLAAttention"))
+"""vLLM's sublayers: its model files' decoder/attention/MLP/MoE classes by suffix, and
+the shared layer classes by path (a path missing in another vLLM version is skipped)."""
+
+__all__ = ["SUBLAYERS", "VLLMHooks", "arm_worker", "disarm_worker", "runner_triggers"]
 
 
 def runner_triggers(config: ArmConfig) -> PatchSet:
     """Patches that arm the worker when a V1 or V2 model runner is constructed.
 
-    Raises:
-        ConfigError: the step or guard options are invalid.
+    ``config`` was validated when it was parsed (capabilities and their options).
     """
-    step_options(config)
-    guard_options(config)
     triggers = PatchSet("vllm-runner-triggers")
     if importlib.util.find_spec(V1_RUNNER_MODULE) is None:
         logger.warning("enginetap: this vLLM has no V1 model runner (%s); the step context is "
@@ -66,58 +75,90 @@ def vllm_tp_group() -> Any:
     return get_tp_group().device_group
 
 
-@dataclass
-class WorkerArming(Arming):
-    """What one vLLM worker process armed (see :class:`~enginetap.core.arming.Arming`)."""
+class _Installed:
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
 
-    runner_kind: RunnerKind = "v1"
+    def uninstall(self) -> None:
+        while self.parts:
+            self.parts.pop().uninstall()
 
-    def install(self) -> WorkerArming:
-        """Raises: ConfigError, PatchError: bad options, or the engine lacks a target."""
-        set_group_resolver(vllm_tp_group)
-        self.rank, self.world_size = rank_world()
-        self.engine = f"vLLM worker ({self.runner_kind.upper()} runner)"
-        super().install()
+
+class VLLMHooks(EngineHooks):
+    """What a vLLM worker supplies: the V1 runner's steps, loaded models, its TP group."""
+
+    def __init__(self, runner_kind: RunnerKind) -> None:
+        super().__init__()
+        self.runner_kind = runner_kind
+        self.engine = f"vLLM worker ({runner_kind.upper()} runner)"
+        self._loading = PatchSet("vllm-model-loaded")
+        self._loading.add(AFTER_LOADING, self._after_loading)
+
+    def install(self) -> VLLMHooks:
+        self._loading.install()
         return self
 
     def uninstall(self) -> None:
-        super().uninstall()
-        set_group_resolver(None)
+        self._loading.uninstall()
 
-    def install_step_source(self, options: StepOptions) -> str | None:
+    def _after_loading(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        model = bind_arguments(wrapped, args, kwargs)["model"]
+        result = wrapped(*args, **kwargs)
+        self.model_loaded(model)
+        return result
+
+    def install_step_source(self, context: ArmContext) -> InstallResult | None:
         if self.runner_kind != "v1":
-            self.unavailable.append("step (vLLM's V2 model runner; only V1 is supported)")
             return None
-        adapter = V1StepAdapter(self.rank, self.world_size, on_failure=disarm_worker)
-        self.installed.append(adapter.install())
-        if not options.selfcheck_gather:
-            return "step"
-        from enginetap.engines.vllm.selfcheck import GatherSelfCheck
+        options = context.options_of("step")
+        assert isinstance(options, StepOptions)
+        adapter = V1StepAdapter(context.rank, context.world_size, on_failure=disarm_worker)
+        parts: list[Any] = [adapter.install()]
+        what = "step"
+        if options.selfcheck_gather:
+            from enginetap.engines.vllm.selfcheck import GatherSelfCheck
 
-        self.installed.append(GatherSelfCheck(self.config.out_dir).install())
-        return "step (gather self-check)"
+            parts.append(GatherSelfCheck(context.out_dir).install())
+            what = "step (gather self-check)"
+        return _Installed(parts), what
+
+    def sublayer_targets(self, model: Any) -> list[str]:
+        return sublayer_targets(model, SUBLAYERS)
+
+    def tp_group(self) -> Any:
+        return vllm_tp_group()
 
 
-_WORKER: WorkerArming | None = None
+_WORKER: Arming | None = None
+_HOOKS: VLLMHooks | None = None
 
 
 def arm_worker(config: ArmConfig, kind: RunnerKind) -> None:
     """Arm this worker process once; on failure log, disarm and let vLLM go on."""
-    global _WORKER
-    if _WORKER is not None:
+    global _WORKER, _HOOKS
+    if _WORKER is not None or _HOOKS is not None:
         return
-    _WORKER = WorkerArming(config, runner_kind=kind)
+    _HOOKS = VLLMHooks(kind)
     try:
-        _WORKER.install()
+        set_group_resolver(vllm_tp_group)
+        rank, world = rank_world()
+        _HOOKS.install()
+        _WORKER = arm_capabilities(config, _HOOKS, rank, world)
     except Exception:
         logger.exception("enginetap: arming this vLLM worker failed; it runs without enginetap")
-        _WORKER.uninstall()
+        _HOOKS.uninstall()
+        set_group_resolver(None)
         return
     logger.info("%s", _WORKER.summary())
 
 
 def disarm_worker() -> None:
     """Uninstall what this worker armed (it is not armed again in this process)."""
+    global _WORKER
     if _WORKER is not None and _WORKER.installed:
         _WORKER.uninstall()
+        _WORKER = None
+        if _HOOKS is not None:
+            _HOOKS.uninstall()
+        set_group_resolver(None)
         logger.warning("enginetap: disarmed in vLLM worker pid %d", os.getpid())
