@@ -16,7 +16,7 @@ def main(model: str, profile_path: str, out_path: str) -> None:
     from enginetap.traffic import VLLMDriver, load_profile, run_profile
 
     llm = LLM(model=model, gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, enable_prefix_caching=True, block_size=16, seed=0)
+              max_num_seqs=8, enable_prefix_caching=True, block_size=32, seed=0)
     report = run_profile(load_profile(profile_path), VLLMDriver(llm), progress=False)
     with open(out_path, "w", encoding="utf-8") as f:
         f.write(report.model_dump_json(indent=2))
