@@ -117,3 +117,17 @@ def test_a_profile_too_long_for_the_model_is_refused_before_sending(driver) -> N
     with pytest.raises(TrafficError, match="does not fit.*the model has 2048"):
         run_profile(too_long, driver, progress=False)
     assert driver.engine.steps == sent_before
+
+
+def test_the_builtin_mooncake_profile_runs_on_the_tiny_llama(driver: BuiltinDriver) -> None:
+    profile = builtin_profile("mooncake-tiny")
+    report = run_profile(profile, driver, progress=False)
+    receipts = {r.key: r for r in report.receipts}
+    assert len(receipts) == 19  # 8 singles, one predecessor, 4 overlap members, 6 arrivals
+    reused = next(r for r in profile.requests if r.label == "fully_reused")
+    pred = reused.cache_predecessor
+    assert receipts["fully_reused.warm"].source == pred.locator
+    assert receipts["fully_reused.0"].source == reused.source
+    # Every full predecessor block but its last is reused from the warmed prefix cache.
+    assert receipts["fully_reused.0"].cached_tokens == (len(pred.hash_ids) - 1) * reused.block_size
+    assert all(r.input_tokens + r.max_tokens <= 2048 for r in report.receipts)

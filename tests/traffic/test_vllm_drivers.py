@@ -79,8 +79,8 @@ def test_http_driver_against_vllm_serve(llama: Path, tmp_path: Path) -> None:
             "--max-num-seqs", "8", "--enable-prefix-caching", "--block-size", "32",
             "--seed", "0", "--enable-prompt-tokens-details"]
     with VLLMServer(llama, args=args, log_path=tmp_path / "server.log") as server:
-        driver = HTTPDriver.for_server(server, 512,
-                                       tokenizer=AutoTokenizer.from_pretrained(llama))
+        driver = HTTPDriver.for_server(server, tokenizer=AutoTokenizer.from_pretrained(llama))
+        assert driver.max_context == 512  # asked from /v1/models
         report = run_profile(PROFILE, driver, progress=False)
     assert report.receipts[0].driver == "vllm-http"
     _check(report)

@@ -9,8 +9,10 @@ Every driver has the :class:`Driver` interface, so capture takes any of them:
 - :class:`HTTPDriver` — a running ``vllm serve``; a batch is posted to
   ``/v1/completions`` from a thread pool, each with ``X-Request-Id: <key>``.
 
-Each submission carries a stable request key (``label.index``) that the engine sees as
-its request id (vLLM appends its own suffix), so steps can be tied back to a label.
+Each submission carries a stable request key (``label.index``) that the engine sees in
+its request id, so steps can be tied back to a label: the built-in engine uses the key
+as is, ``vllm.LLM`` appends ``-<8 hex>``, and ``vllm serve`` names the request
+``cmpl-<key>-<choice>-<8 hex>``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Submission:
     role: Role
     prompt_ids: list[int]
     max_tokens: int
+    source: str | None = None
+    """Where the request came from (trace locator), carried into its receipt."""
 
 
 @dataclass(frozen=True)
@@ -167,22 +171,39 @@ class HTTPDriver:
     Args:
         url: the server's base URL, e.g. ``http://127.0.0.1:8000``.
         model: the model name the server serves (its ``--model``).
-        max_context: the server's ``max_model_len``.
+        max_context: the server's ``max_model_len``; default: asked from ``/v1/models``.
         tokenizer / vocab_size: what prompts are built with (one of them).
         timeout: seconds per HTTP request.
     """
 
     name = "vllm-http"
 
-    def __init__(self, url: str, model: str, *, max_context: int, tokenizer: Any = None,
-                 vocab_size: int | None = None, timeout: float = 600.0) -> None:
-        self.url, self.model, self.max_context = url.rstrip("/"), model, max_context
+    def __init__(self, url: str, model: str, *, max_context: int | None = None,
+                 tokenizer: Any = None, vocab_size: int | None = None,
+                 timeout: float = 600.0) -> None:
+        self.url, self.model = url.rstrip("/"), model
         self.tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
+        self.max_context: int = max_context or self._served_max_len()
 
     @classmethod
-    def for_server(cls, server: Any, max_context: int, **kwargs: Any) -> HTTPDriver:
+    def for_server(cls, server: Any, **kwargs: Any) -> HTTPDriver:
         """A driver for a started :class:`~enginetap.engines.vllm.server.VLLMServer`."""
-        return cls(server.url, server.model, max_context=max_context, **kwargs)
+        return cls(server.url, server.model, **kwargs)
+
+    def _served_max_len(self) -> int:
+        """``max_model_len`` of the served model, from ``GET /v1/models``."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as reply:
+                models = json.loads(reply.read())["data"]
+        except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+            raise TrafficError(f"cannot read the served models from {self.url}/v1/models",
+                               str(exc), "check the server, or pass max_context") from None
+        for card in models:
+            if card.get("id") == self.model and card.get("max_model_len"):
+                return int(card["max_model_len"])
+        raise TrafficError(f"{self.url} does not list model {self.model!r} with a length",
+                           f"it serves {[c.get('id') for c in models]}",
+                           "pass the served model name, or max_context")
 
     def prompts(self, seed: int) -> PromptBuilder:
         return PromptBuilder(seed, tokenizer=self.tokenizer, vocab_size=self.vocab_size)

@@ -43,6 +43,8 @@ class Receipt(BaseModel):
     """Label of the single request, group or replay it was sent in."""
     role: Role
     """request, predecessor (cache warm-up), member (overlap group) or arrival (replay)."""
+    source: str | None
+    """Where the request came from in its trace (``file:line``, or the predecessor's locator)."""
     driver: str
     """Which driver sent it."""
     input_sha256: str
@@ -96,7 +98,8 @@ class _Run:
         self.receipts: list[Receipt] = []
 
     def submission(self, req: RequestProfile, key: str, role: Role) -> Submission:
-        return Submission(key, req.label, role, self.builder.request(req), req.output_tokens)
+        return Submission(key, req.label, role, self.builder.request(req), req.output_tokens,
+                          req.source)
 
     def send(self, unit: str, batch: Sequence[Submission],
              arrivals: Sequence[float | None] = ()) -> None:
@@ -110,6 +113,7 @@ class _Run:
                  arrival: float | None) -> Receipt:
         return Receipt(
             profile=self.profile.name, label=sub.label, key=sub.key, unit=unit, role=sub.role,
+            source=sub.source,
             driver=self.driver.name, input_sha256=input_sha256(sub.prompt_ids),
             input_tokens=len(sub.prompt_ids), max_tokens=sub.max_tokens,
             output_ids=out.output_ids, finish_reason=out.finish_reason,
@@ -120,8 +124,9 @@ class _Run:
         self.driver.reset_prefix_cache()
         warm = self.builder.predecessor(req)
         if warm is not None:
+            locator = req.cache_predecessor.locator if req.cache_predecessor else None
             self.send(req.label, [Submission(f"{req.label}.warm", req.label, "predecessor",
-                                             warm, 1)])
+                                             warm, 1, locator)])
         self.send(req.label, [self.submission(req, f"{req.label}.0", "request")])
 
     def replay(self, replay: ArrivalReplay) -> None:
