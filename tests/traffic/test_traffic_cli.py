@@ -39,9 +39,10 @@ def test_derive_writes_a_profile_that_loads(monkeypatch, capsys, tmp_path: Path)
     with_slice = packaged_trace().path
     target = tmp_path / "p.json"
     code, out, err = _cli(monkeypatch, capsys, "derive", f"mooncake:{with_slice}", "--out",
-                          str(target), "--max-context", "1024", "--max-output", "16")
+                          str(target), "--max-context", "1024", "--max-output", "16", "--seed", "5")
     assert code == 0 and out.strip() == str(target) and "wrote" in err
     profile = load_profile(target)
+    assert profile.seed == 5
     assert all(r.input_tokens + r.output_tokens <= 1024 for r in profile.requests)
     code, out, _ = _cli(monkeypatch, capsys, "show", str(target))
     assert code == 0 and "fully_reused" in out

@@ -64,7 +64,8 @@ def derive(
         "(e.g. 2048 for the built-in models)."),
     max_output: int = typer.Option(128, "--max-output", min=1,
                                    help="Output-token cap when fitting."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the prompt rebuilding."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed of the prompt "
+                                       "rebuilding (default: the profile's own, 0 if derived)."),
 ) -> None:
     """Derive a profile (percentiles, subagent, auxiliary, reuse, overlap, arrivals); save it."""
     from enginetap.traffic import resolve_profile, save_profile

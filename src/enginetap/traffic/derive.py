@@ -173,7 +173,8 @@ def derive_mooncake(trace: MooncakeTrace, *, name: str | None = None, seed: int 
             _request(trace, i, f"overlap_line{trace.lines[i]}") for i in group])]
         if group else [],
         replays=[_replay(trace, replay_count, time_scale)] if replay_count > 0 else [],
-        notes=[" ".join(item.split()) for item in (__doc__ or "").split("\n- ")[1:]])
+        notes=[" ".join(item.replace("``", "").split())
+               for item in (__doc__ or "").split("\n- ")[1:]])
     if max_context is None:
         return profile
     return fit_to_context(profile, max_context, max_output_tokens)

@@ -55,11 +55,12 @@ def builtin_profile(name: str, max_context: int | None = None) -> TrafficProfile
 
 
 def resolve_profile(spec: str, *, max_context: int | None = None,
-                    max_output_tokens: int = 128, seed: int = 0) -> TrafficProfile:
+                    max_output_tokens: int = 128, seed: int | None = None) -> TrafficProfile:
     """The profile ``spec`` names, fit to ``max_context`` when given.
 
     ``FILE`` (a saved profile), ``builtin:NAME``, ``mooncake:FILE`` (derived, see
-    :func:`~enginetap.traffic.derive.derive_mooncake`) or ``agentx:FILE``.
+    :func:`~enginetap.traffic.derive.derive_mooncake`) or ``agentx:FILE``. ``seed``
+    replaces the profile's prompt seed (None keeps it; derived profiles default to 0).
 
     Raises:
         TrafficError: unknown built-in, unreadable or invalid file, or a profile that
@@ -67,11 +68,12 @@ def resolve_profile(spec: str, *, max_context: int | None = None,
     """
     kind, _, rest = spec.partition(":")
     if kind == "builtin" and rest:
-        return builtin_profile(rest, max_context)
-    if kind == "mooncake" and rest:
-        return derive_mooncake(load_mooncake(rest), seed=seed, max_context=max_context,
-                               max_output_tokens=max_output_tokens)
-    profile = load_agentx(rest, seed=seed) if kind == "agentx" and rest else load_profile(spec)
-    if max_context is None:
-        return profile
-    return fit_to_context(profile, max_context, max_output_tokens)
+        profile = builtin_profile(rest, max_context)
+    elif kind == "mooncake" and rest:
+        profile = derive_mooncake(load_mooncake(rest), max_context=max_context,
+                                  max_output_tokens=max_output_tokens)
+    else:
+        profile = load_agentx(rest) if kind == "agentx" and rest else load_profile(spec)
+        if max_context is not None:
+            profile = fit_to_context(profile, max_context, max_output_tokens)
+    return profile if seed is None else profile.model_copy(update={"seed": seed})
