@@ -55,11 +55,15 @@ class _Steps:
 @pytest.fixture(scope="module")
 def run(driver: BuiltinDriver):
     steps = _Steps()
+    sent: list[tuple[str, list[str]]] = []
     context.subscribe(on_begin=steps)
     try:
-        report = run_profile(PROFILE, driver, progress=True)
+        report = run_profile(PROFILE, driver, progress=True, on_send=lambda unit, batch:
+                             sent.append((unit, [s.key for s in batch])))
     finally:
         context.unsubscribe(steps)
+    assert sent == [("warm", ["warm.warm"]), ("warm", ["warm.0"]), ("cold", ["cold.0"]),
+                    ("g", ["g.0", "g.1", "g.2"]), ("arr", ["arr.0"]), ("arr", ["arr.1"])]
     return report, steps
 
 
@@ -131,3 +135,4 @@ def test_the_builtin_mooncake_profile_runs_on_the_tiny_llama(driver: BuiltinDriv
     # Every full predecessor block but its last is reused from the warmed prefix cache.
     assert receipts["fully_reused.0"].cached_tokens == (len(pred.hash_ids) - 1) * reused.block_size
     assert all(r.input_tokens + r.max_tokens <= 2048 for r in report.receipts)
+

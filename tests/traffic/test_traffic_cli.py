@@ -35,6 +35,13 @@ def test_show_builtin_lists_every_label(monkeypatch, capsys) -> None:
     assert "scale 0.0234375" in out
 
 
+def test_show_an_agentx_file(monkeypatch, capsys) -> None:
+    fixture = Path(__file__).parent / "data" / "agentx_shapes.json"
+    code, out, _ = _cli(monkeypatch, capsys, "show", f"agentx:{fixture}")
+    assert code == 0
+    assert "fully_reused" in out and "tool_fanout/fan_b" in out and "scale 1" in out
+
+
 def test_derive_writes_a_profile_that_loads(monkeypatch, capsys, tmp_path: Path) -> None:
     with_slice = packaged_trace().path
     target = tmp_path / "p.json"

@@ -25,7 +25,10 @@ from enginetap.traffic.profile import ArrivalReplay, RequestProfile, TrafficProf
 from enginetap.traffic.prompts import PromptBuilder, input_sha256
 from enginetap.traffic.scaling import check_fits
 
-__all__ = ["Receipt", "RunReport", "count_submissions", "run_profile"]
+__all__ = ["OnSend", "Receipt", "RunReport", "count_submissions", "run_profile"]
+
+OnSend = Callable[[str, Sequence[Submission]], None]
+"""``on_send(unit label, batch)``: called before a batch is handed to the driver."""
 
 
 class Receipt(BaseModel):
@@ -91,9 +94,9 @@ class _Run:
     """State of one profile run: the driver, prompts, clock and receipts so far."""
 
     def __init__(self, profile: TrafficProfile, driver: Driver, builder: PromptBuilder,
-                 advance: Callable[[int], None]) -> None:
+                 advance: Callable[[int], None], on_send: OnSend | None) -> None:
         self.profile, self.driver, self.builder = profile, driver, builder
-        self.advance = advance
+        self.advance, self.on_send = advance, on_send
         self.t0 = time.time()
         self.receipts: list[Receipt] = []
 
@@ -103,6 +106,8 @@ class _Run:
 
     def send(self, unit: str, batch: Sequence[Submission],
              arrivals: Sequence[float | None] = ()) -> None:
+        if self.on_send is not None:
+            self.on_send(unit, batch)
         outcomes = self.driver.submit(batch)
         for i, (sub, out) in enumerate(zip(batch, outcomes)):
             self.receipts.append(self._receipt(unit, sub, out,
@@ -160,10 +165,13 @@ def _progress(total: int, enabled: bool, title: str) -> Iterator[Callable[[int],
 
 
 def run_profile(profile: TrafficProfile, driver: Driver, *, progress: bool = True,
-                builder: PromptBuilder | None = None) -> RunReport:
+                builder: PromptBuilder | None = None,
+                on_send: OnSend | None = None) -> RunReport:
     """Send every request of ``profile`` through ``driver``; one receipt per prompt sent.
 
-    ``builder`` defaults to ``driver.prompts(profile.seed)``.
+    ``builder`` defaults to ``driver.prompts(profile.seed)``. ``on_send(unit, batch)`` is
+    called just before each batch goes to the driver (capture notes which keys belong to
+    which profile unit there).
 
     Raises:
         TrafficError: a prompt does not fit the driver's context, or the driver failed.
@@ -171,7 +179,7 @@ def run_profile(profile: TrafficProfile, driver: Driver, *, progress: bool = Tru
     check_fits(profile, driver.max_context)
     builder = builder or driver.prompts(profile.seed)
     with _progress(count_submissions(profile), progress, f"traffic {profile.name}") as advance:
-        run = _Run(profile, driver, builder, advance)
+        run = _Run(profile, driver, builder, advance, on_send)
         for req in profile.requests:
             run.single(req)
         for group in profile.overlap_groups:
