@@ -37,16 +37,16 @@ def scaled_length(input_tokens: int, blocks: int, block_size: int, new_block: in
 def _factor(profile: TrafficProfile, max_context: int, max_output: int) -> float:
     factor = 1.0
     for req in all_requests(profile):
-        room = max_context - min(req.output_tokens, max_output)
-        longest = max(req.input_tokens, req.cache_predecessor.input_tokens
-                      if req.cache_predecessor else 0)
-        blocks = max(len(req.hash_ids), len(req.cache_predecessor.hash_ids)
-                     if req.cache_predecessor else 0)
+        out = min(req.output_tokens, max_output)
+        room = max_context - out
+        pred = req.cache_predecessor
+        longest = max(req.input_tokens, pred.input_tokens if pred else 0)
+        blocks = max(len(req.hash_ids), len(pred.hash_ids) if pred else 0)
         if room < blocks:
             raise TrafficError(
                 f"request {req.label!r} cannot fit a {max_context}-token context",
-                f"{blocks} hash blocks need ≥ {blocks} tokens and {min(req.output_tokens, max_output)}"
-                " output tokens are reserved", "raise --max-context or lower the output cap")
+                f"{blocks} hash blocks need ≥ {blocks} tokens and {out} output tokens are "
+                "reserved", "raise --max-context or lower the output cap")
         if longest > room:
             # Blocks of floor(B * f) tokens, the last possibly full: n * B * f ≤ room.
             factor = min(factor, room / (blocks * req.block_size))
