@@ -58,3 +58,7 @@ class ProblemsError(EnginetapError):
 
     def _render(self) -> str:
         return self.what + (f"\nFix: {self.fix}" if self.fix else "")
+
+
+class TrafficError(EnginetapError):
+    """A traffic profile or request trace is invalid, or a driver cannot run it."""

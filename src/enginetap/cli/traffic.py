@@ -1,0 +1,79 @@
+"""`enginetap traffic`: show and derive traffic profiles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Traffic profiles: real traces, derived requests, rebuilt prompts.",
+                  no_args_is_help=True)
+
+out = Console()
+err = Console(stderr=True)
+
+SPEC_HELP = "A profile FILE, builtin:NAME, mooncake:FILE or agentx:FILE."
+
+
+def _row(table: Table, name: str, req) -> None:
+    pred = req.cache_predecessor
+    table.add_row(name, str(req.input_tokens), str(req.output_tokens), str(req.block_size),
+                  str(len(req.hash_ids)), str(pred.input_tokens) if pred else "-",
+                  "-" if req.arrival_s is None else f"{req.arrival_s:.3f}", req.source or "-")
+
+
+def _print_profile(profile) -> None:
+    out.print(f"[bold]{profile.name}[/]  source {profile.source}", highlight=False,
+              soft_wrap=True)
+    out.print(f"seed {profile.seed}  scale {profile.scale:.6g}", highlight=False)
+    table = Table("label", "input", "output", "block", "blocks", "warm", "arrival s",
+                  "source")
+    for req in profile.requests:
+        _row(table, req.label, req)
+    for unit in [*profile.overlap_groups, *profile.replays]:
+        for member in unit.members:
+            _row(table, f"{unit.label}/{member.label}", member)
+    out.print(table)
+    for note in profile.notes:
+        out.print(f"- {note}", highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command("show")
+def show(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    max_context: Optional[int] = typer.Option(
+        None, "--max-context", min=2, help="Fit the profile to this many positions."),
+    max_output: int = typer.Option(128, "--max-output", min=1,
+                                   help="Output-token cap when fitting."),
+) -> None:
+    """Print a profile's requests, groups and replays."""
+    from enginetap.traffic import resolve_profile
+
+    _print_profile(resolve_profile(spec, max_context=max_context, max_output_tokens=max_output))
+
+
+@app.command("derive")
+def derive(
+    spec: str = typer.Argument(..., help=SPEC_HELP),
+    out_path: Path = typer.Option(..., "--out", help="Profile JSON file to write."),
+    max_context: Optional[int] = typer.Option(
+        None, "--max-context", min=2, help="Fit the profile to this many positions "
+        "(e.g. 2048 for the built-in models)."),
+    max_output: int = typer.Option(128, "--max-output", min=1,
+                                   help="Output-token cap when fitting."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Seed of the prompt "
+                                       "rebuilding (default: the profile's own, 0 if derived)."),
+) -> None:
+    """Derive a profile (percentiles, subagent, auxiliary, reuse, overlap, arrivals); save it."""
+    from enginetap.traffic import resolve_profile, save_profile
+
+    profile = resolve_profile(spec, max_context=max_context, max_output_tokens=max_output,
+                              seed=seed)
+    path = save_profile(profile, out_path)
+    err.print(f"[green]wrote[/] {profile.name}: {len(profile.requests)} requests, "
+              f"{len(profile.overlap_groups)} overlap groups, {len(profile.replays)} replays, "
+              f"scale {profile.scale:.6g}", highlight=False)
+    out.print(str(path), highlight=False, soft_wrap=True)
