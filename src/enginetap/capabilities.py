@@ -10,6 +10,7 @@ from __future__ import annotations
 from enginetap.core.arming import STEP
 from enginetap.core.capability import Capability, CapabilityRegistry
 from enginetap.core.scope import SCOPE_CAPABILITY
+from enginetap.capture.options import CaptureOptions
 from enginetap.guard.options import GuardOptions
 
 __all__ = ["REGISTRY", "arm"]
@@ -17,7 +18,11 @@ __all__ = ["REGISTRY", "arm"]
 GUARD = Capability("guard", GuardOptions, "enginetap.guard.arming:install",
                    "guarded engine patches: drift lock, per-shape exactness proof")
 
-REGISTRY = CapabilityRegistry([STEP, SCOPE_CAPABILITY, GUARD])
+CAPTURE = Capability("capture", CaptureOptions, "enginetap.capture.arming:install",
+                     "operator workloads into a FlashInfer-Trace dataset",
+                     needs=("step", "scope"))
+
+REGISTRY = CapabilityRegistry([STEP, SCOPE_CAPABILITY, GUARD, CAPTURE])
 
 
 def arm(config, hooks=None, rank: int = 0, world_size: int = 1):

@@ -139,7 +139,9 @@ class EngineHooks:
     - :meth:`on_model_loaded` registers a callback run with each model the engine loads
       (before its first step): module scope, capture probes on instances, self-checks;
     - :meth:`sublayer_targets` names the sublayer entry points of a loaded model;
-    - :meth:`tp_group` is the tensor-parallel group (None: the default or none).
+    - :meth:`tp_group` is the tensor-parallel group (None: the default or none);
+    - :meth:`capture_probes` is the engine's probe table (data, see
+      :mod:`enginetap.capture.probe`), :meth:`engine_version` its version for receipts.
     """
 
     engine = "engine"
@@ -167,6 +169,12 @@ class EngineHooks:
 
     def tp_group(self) -> Any:
         return None
+
+    def capture_probes(self) -> list[Any]:
+        return []
+
+    def engine_version(self) -> str:
+        return ""
 
 
 @dataclass

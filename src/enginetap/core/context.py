@@ -202,6 +202,10 @@ class publish:
     def __init__(self, step: Step) -> None:
         self._step = step
 
+    @property
+    def step(self) -> Step:
+        return self._step
+
     def __enter__(self) -> Step:
         _CTX.step = self._step
         _CTX.last = max(_CTX.last, self._step.step)

@@ -51,11 +51,17 @@ def check_steps(steps: list[dict], requests: dict[str, Request],
             assert name in requests, f"step {step['step']}: unknown request {rid}"
             _check_block(step, begin, end, requests[name])
             positions = step["rows"]["positions"][begin:end]
+            key = step["rows"]["request_keys"][begin]
+            assert key == rid.rsplit("-", 1)[0], f"request key {key} of {rid}"
+            sequence, last = requests[name].sequence, positions[-1]
+            if last + 1 >= len(requests[name].prompt) and last + 1 < len(sequence):
+                # the step ends after sampling: the token sampled is the next one fed
+                assert step["sampled"].get(key) == sequence[last + 1], (step["step"], name)
             seen.positions.setdefault(name, []).extend(positions)
             seen.first_position.setdefault(name, positions[0])
             if step["rows"]["state_slots"] is not None:
                 # A request's recurrent state lives in one slot per KV block it is in.
-                key = (name, positions[0] // step["extra"]["kv_block_size"])
+                key = (name, positions[0] // step["kv_block_size"])
                 slot = step["rows"]["state_slots"][begin]
                 assert state_of_block.setdefault(key, slot) == slot, f"{name}: state slot moved"
         _check_step_slots(step, blocks)
@@ -91,8 +97,11 @@ def _check_block(step: dict, begin: int, end: int, request: Request) -> None:
 
 
 def _check_step_slots(step: dict, blocks: dict[str, tuple[int, int]]) -> None:
-    rows, size = step["rows"], step["extra"]["kv_block_size"]
+    rows, size = step["rows"], step["kv_block_size"]
     slots = rows["kv_slots"]
+    assert rows["token_index"] == list(range(len(slots)))
+    assert step["padded_tokens"] >= len(slots)
+    assert rows["kv_groups"] and rows["kv_groups"][min(rows["kv_groups"])] == slots
     assert len(set(slots)) == len(slots), f"step {step['step']}: a KV slot written twice"
     assert all(s % size == p % size for s, p in zip(slots, rows["positions"])), "slot offsets"
     if rows["state_slots"] is not None:

@@ -63,8 +63,7 @@ def test_armed_plugin_waits_for_a_model_runner(tmp_path: Path):
 @pytest.mark.slow
 def test_missing_config_is_reported_and_vllm_goes_on(tmp_path: Path):
     loaded, stderr = _load({"ENGINETAP_CONFIG": str(tmp_path / "missing.json")}, "import-runner")
-    assert "enginetap: arming failed; vLLM continues without enginetap" in stderr
-    assert "not found" in stderr
+    assert "running disarmed" in stderr and "cannot be read" in stderr
     assert loaded[-1] == "function"
 
 
@@ -80,6 +79,6 @@ def test_invalid_arming_is_reported_and_nothing_installed(
     path.write_text(json.dumps(config))
     monkeypatch.setenv("ENGINETAP_CONFIG", str(path))
     register()  # never raises
-    assert "arming failed; vLLM continues without enginetap" in caplog.text
+    assert "running disarmed" in caplog.text
     assert why in caplog.text
     assert not plugin._TRIGGERS

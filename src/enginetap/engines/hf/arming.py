@@ -39,6 +39,16 @@ class HFHooks(EngineHooks):
     def sublayer_targets(self, model: Any) -> list[str]:
         return sublayer_targets(model, SUBLAYERS)
 
+    def capture_probes(self) -> list[Any]:
+        from enginetap.engines.hf.probes import PROBES
+
+        return list(PROBES)
+
+    def engine_version(self) -> str:
+        import transformers
+
+        return f"transformers {transformers.__version__}"
+
 
 def arm(config: ArmConfig | None = None) -> Arming | None:
     """Arm this process for the built-in engine; None when ``config`` is not enabled.

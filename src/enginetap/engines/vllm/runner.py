@@ -20,6 +20,7 @@ no scheduled tokens returns before the forward: neither is ever published.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ logger = logging.getLogger("enginetap.vllm")
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V1_RUNNER = f"{V1_RUNNER_MODULE}:GPUModelRunner"
 
-__all__ = ["V1_RUNNER", "V1_RUNNER_MODULE", "V1StepAdapter"]
+__all__ = ["V1_RUNNER", "V1_RUNNER_MODULE", "V1StepAdapter", "read_step", "request_key"]
 
 
 @dataclass(slots=True)
@@ -119,8 +120,29 @@ class V1StepAdapter:
             raise
         active, state.active = state.active, None
         state.next_step += 1
+        _fill_sampled(active.step, result)
         active.__exit__(None, None, None)
         return result
+
+
+def _fill_sampled(step: Step, result: Any) -> None:
+    """``step.sampled`` from a plain ``ModelRunnerOutput`` (its first token per request;
+    an asynchronous output is left unread: reading it would wait for the device)."""
+    ids, tokens = getattr(result, "req_ids", None), getattr(result, "sampled_token_ids", None)
+    if not ids or not isinstance(tokens, list):
+        return
+    keys = dict(zip(step.rows.request_ids, step.rows.keys))
+    step.sampled = {keys.get(i, request_key(i)): int(t[0]) for i, t in zip(ids, tokens) if t}
+
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def request_key(request_id: str) -> str:
+    """vLLM's request id without the random 8-hex-digit suffix its input processor adds
+    to the caller's id (``"3-1a2b3c4d"`` → ``"3"``): stable across runs of the same
+    prompts in the same order, and equal to an id the caller chose (``X-Request-Id``)."""
+    return _SUFFIX.sub("", request_id)
 
 
 def _abandon(state: _RunnerState) -> None:
@@ -172,8 +194,13 @@ def read_step(runner: Any, number: int, inputs: dict[str, Any], drafts: dict[str
     owner = reqs.row_owner()
     num_tokens = len(owner)
     slots = _slots(runner, num_tokens, len(reqs.ids))
+    state_groups = {g: [v[r] for r in owner] for g, v in slots.state_groups.items()}
     rows = StepRows(
         request_ids=[reqs.ids[r] for r in owner],
+        request_keys=[request_key(reqs.ids[r]) for r in owner],
+        token_index=list(range(num_tokens)),
+        kv_groups=slots.kv_groups or None,
+        state_groups=state_groups or None,
         positions=_positions(inputs, runner, num_tokens),
         token_ids=_token_ids(inputs, runner, num_tokens),
         query_start=[reqs.starts[r] for r in owner],
@@ -183,10 +210,13 @@ def read_step(runner: Any, number: int, inputs: dict[str, Any], drafts: dict[str
         state_slots=None if slots.state is None else [slots.state[r] for r in owner],
     )
     prefill_rows = sum(reqs.prefill[r] for r in owner)
-    extra = {"runner": "v1", "num_reqs": len(reqs.ids), "kv_block_size": slots.kv_block_size,
+    extra = {"runner": "v1", "num_reqs": len(reqs.ids),
              "prefill_requests": [i for i, p in zip(reqs.ids, reqs.prefill) if p]}
+    padded = inputs.get("input_ids")
+    padded = padded.shape[0] if padded is not None else num_tokens
     return Step("vllm", number, Step.mode_of(prefill_rows, num_tokens - prefill_rows), rows,
-                rank=rank_world[0], world_size=rank_world[1], extra=extra)
+                rank=rank_world[0], world_size=rank_world[1], padded_tokens=int(padded),
+                kv_block_size=slots.kv_block_size, extra=extra)
 
 
 def _positions(inputs: dict[str, Any], runner: Any, num_tokens: int) -> list[int]:
@@ -212,6 +242,10 @@ class _Slots:
     kv_block_size: int | None = None
     state: list[int] | None = None
     """Recurrent-state slot per request, from the first recurrent group's metadata."""
+    kv_groups: dict[str, list[int]] = field(default_factory=dict)
+    """Slot per row of every attention group, by ``group<i>``."""
+    state_groups: dict[str, list[int]] = field(default_factory=dict)
+    """Slot per request of every recurrent group, by ``group<i>``."""
 
 
 def _slots(runner: Any, num_tokens: int, num_reqs: int) -> _Slots:
@@ -225,13 +259,19 @@ def _slots(runner: Any, num_tokens: int, num_reqs: int) -> _Slots:
     forward = get_forward_context()
     if not isinstance(forward.slot_mapping, dict) or not isinstance(forward.attn_metadata, dict):
         return found  # micro-batched step: one mapping per micro-batch
-    for group in runner.kv_cache_config.kv_cache_groups:
+    for index, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         spec, layer = group.kv_cache_spec, group.layer_names[0]
         mapping = forward.slot_mapping.get(layer)
-        if found.kv is None and isinstance(spec, AttentionSpec) and mapping is not None:
-            found.kv, found.kv_block_size = mapping[:num_tokens].tolist(), spec.block_size
-        if found.state is None and isinstance(spec, MambaSpec):
-            found.state = _state_indices(forward.attn_metadata.get(layer), num_reqs)
+        if isinstance(spec, AttentionSpec) and mapping is not None:
+            found.kv_groups[f"group{index}"] = mapping[:num_tokens].tolist()
+            if found.kv is None:
+                found.kv, found.kv_block_size = found.kv_groups[f"group{index}"], spec.block_size
+        if isinstance(spec, MambaSpec):
+            state = _state_indices(forward.attn_metadata.get(layer), num_reqs)
+            if state is not None:
+                found.state_groups[f"group{index}"] = state
+                if found.state is None:
+                    found.state = state
     return found
 
 

@@ -1,0 +1,71 @@
+"""Provenance receipts: where each captured workload came from.
+
+The static part (model, config hash, engine and version, command line, the environment
+variables that shape the engine and enginetap) is gathered once per process; each
+workload adds its request keys and labels, step, mode, layer, rank, the probe and target,
+the variant it filled, and every note its adapter made about changed layouts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+from typing import Any
+
+from enginetap import __version__
+from enginetap.capture.probe import Extracted, ProbeCall
+from enginetap.dataset.schema import Receipt
+
+__all__ = ["ENV_PREFIXES", "Provenance", "model_identity"]
+
+ENV_PREFIXES = ("ENGINETAP", "VLLM_", "TRANSFORMERS_", "HF_", "OMP_", "CUDA_VISIBLE", "TORCH_")
+"""Environment variables recorded: they change what the engine runs."""
+
+
+def model_identity(model: Any) -> dict[str, str]:
+    """The model's path and a hash of its config (sorted JSON of ``model.config``)."""
+    config = getattr(model, "config", None)
+    as_dict = config.to_dict() if hasattr(config, "to_dict") else {}
+    text = json.dumps(as_dict, sort_keys=True, default=str)
+    return {"model": str(getattr(config, "_name_or_path", "") or ""),
+            "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "model_type": str(as_dict.get("model_type", ""))}
+
+
+class Provenance:
+    """Receipts for one armed process."""
+
+    def __init__(self, engine: str, engine_version: str, rank: int, world_size: int) -> None:
+        self.engine, self.engine_version = engine, engine_version
+        self.rank, self.world_size = rank, world_size
+        self.model: dict[str, str] = {}
+        self.static = {
+            "command_line": list(sys.argv),
+            "environment": {k: v for k, v in sorted(os.environ.items())
+                            if k.startswith(ENV_PREFIXES)},
+            "python": sys.version.split()[0],
+        }
+
+    def receipt(self, call: ProbeCall, extracted: Extracted, variant: tuple,
+                labels: dict[str, dict[str, Any]]) -> Receipt:
+        step = call.step
+        rows = extracted.rows if extracted.rows is not None else range(len(step.rows))
+        keys = list(dict.fromkeys(step.rows.keys[i] for i in rows))
+        return Receipt(
+            source=f"capture:{self.engine}", engine=self.engine,
+            engine_version=self.engine_version,
+            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            model=self.model.get("model"), request_ids=keys, step=step.step, mode=step.mode,
+            layer=call.layer[1] if call.layer else None, rank=self.rank,
+            world_size=self.world_size, enginetap_version=__version__,
+            notes={**self.static, "model": self.model, "probe": call.probe.name,
+                   "target": call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
+                   "module": call.layer[0] if call.layer else None,
+                   "variant": dict(zip(("mode", "tokens_bucket", "cached_prefix",
+                                        "requests_bucket", "layer"), variant)),
+                   "requests": {k: labels.get(k, {}) for k in keys},
+                   "rows": len(list(rows)), "step_rows": len(step.rows),
+                   "adapter": list(extracted.notes)})

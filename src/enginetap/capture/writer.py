@@ -1,0 +1,132 @@
+"""The capture writer: a background thread that batches captured workloads into a dataset.
+
+The engine thread only hands over host copies (:meth:`Writer.submit`); the writer thread
+waits for their copy events, then commits up to ``batch`` workloads at once. A byte budget
+bounds what is held in memory: when it is full, ``wait`` blocks the engine until the writer
+catches up, ``drop`` drops the workload and counts it. The writer is flushed and joined by
+:meth:`close`, which the capture runtime calls at exit and on SIGTERM/SIGINT.
+
+A write error (disk full, permission, a refused workload) stops the writer: it is logged
+once with what/why/fix, later workloads are counted as dropped, and the engine serves on.
+One writer thread per dataset: the dataset store enforces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginetap.capture.copy import HostCopies
+from enginetap.dataset import Dataset
+from enginetap.dataset.schema import Definition, Receipt
+
+logger = logging.getLogger("enginetap.capture")
+
+__all__ = ["Item", "Writer", "WriterStats"]
+
+_STOP = object()
+
+
+@dataclass
+class Item:
+    definition: Definition
+    inputs: HostCopies
+    outputs: HostCopies
+    receipt: Receipt
+
+    @property
+    def nbytes(self) -> int:
+        return self.inputs.nbytes + self.outputs.nbytes
+
+
+@dataclass
+class WriterStats:
+    written: int = 0
+    bytes_written: int = 0
+    dropped_full: int = 0
+    dropped_after_error: int = 0
+    error: str = ""
+    per_definition: dict[str, int] = field(default_factory=dict)
+
+
+class Writer:
+    """See the module docstring. Raises nothing into the engine thread."""
+
+    def __init__(self, dataset: Dataset, *, budget_bytes: int, when_full: str = "wait",
+                 batch: int = 16) -> None:
+        self.dataset = dataset
+        self.budget = budget_bytes
+        self.when_full = when_full
+        self.batch = batch
+        self.stats = WriterStats()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._held = 0
+        self._room = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="enginetap-capture-writer",
+                                        daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def submit(self, item: Item) -> bool:
+        """Hand ``item`` to the writer; False when it was dropped (counted)."""
+        if self.stats.error or self._closed:
+            self.stats.dropped_after_error += 1
+            return False
+        with self._room:
+            if self._held + item.nbytes > self.budget and self._held > 0:
+                if self.when_full == "drop":
+                    self.stats.dropped_full += 1
+                    return False
+                self._room.wait_for(lambda: self._held == 0 or self.stats.error
+                                    or self._held + item.nbytes <= self.budget)
+            self._held += item.nbytes
+        self._queue.put(item)
+        return True
+
+    def close(self, timeout: float | None = None) -> WriterStats:
+        """Write everything submitted, stop the thread, and return the counts."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+        self._thread.join(timeout)
+        return self.stats
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            items = [self._queue.get()]
+            while len(items) < self.batch and not self._queue.empty():
+                items.append(self._queue.get())
+            stop = items[-1] is _STOP or _STOP in items
+            self._commit([i for i in items if i is not _STOP])
+
+    def _commit(self, items: list[Item]) -> None:
+        if not items:
+            return
+        try:
+            if not self.stats.error:
+                self._write(items)
+        except Exception as exc:  # noqa: BLE001 - any failure stops capture, never the engine
+            self.stats.error = f"{type(exc).__name__}: {exc}"
+            self.stats.dropped_after_error += len(items)
+            logger.error("enginetap capture: writing to %s failed, capture stops (the engine "
+                         "goes on): %s. Fix: free disk space or choose a writable dataset "
+                         "directory, then capture again", self.dataset.root, exc)
+        finally:
+            with self._room:
+                self._held -= sum(i.nbytes for i in items)
+                self._room.notify_all()
+
+    def _write(self, items: list[Item]) -> None:
+        for item in items:
+            outputs = item.outputs.wait()
+            inputs = item.inputs.wait()
+            self.dataset.add_workload(item.definition, inputs, outputs=outputs,
+                                      receipt=item.receipt)
+            self.stats.written += 1
+            self.stats.bytes_written += item.nbytes
+            name = item.definition.name
+            self.stats.per_definition[name] = self.stats.per_definition.get(name, 0) + 1
