@@ -7,7 +7,8 @@ import sys
 import typer
 from rich.console import Console
 
-from enginetap.cli import dataset, definitions, demo, guard, models, replay, traffic, vllm
+from enginetap.cli import (capture, dataset, definitions, demo, guard, models, replay, traffic,
+                           vllm)
 from enginetap.errors import EnginetapError
 
 app = typer.Typer(
@@ -24,6 +25,7 @@ app.add_typer(guard.app, name="guard")
 app.add_typer(vllm.app, name="vllm")
 app.add_typer(traffic.app, name="traffic")
 app.command("demo")(demo.demo)
+app.command("capture")(capture.capture)
 
 err = Console(stderr=True)
 

@@ -136,13 +136,17 @@ def _fill_sampled(step: Step, result: Any) -> None:
 
 
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_COMPLETION = re.compile(r"^cmpl-(.+)-\d+$")
 
 
 def request_key(request_id: str) -> str:
     """vLLM's request id without the random 8-hex-digit suffix its input processor adds
     to the caller's id (``"3-1a2b3c4d"`` → ``"3"``): stable across runs of the same
-    prompts in the same order, and equal to an id the caller chose (``X-Request-Id``)."""
-    return _SUFFIX.sub("", request_id)
+    prompts in the same order, and equal to an id the caller chose. The OpenAI server
+    names a completion ``cmpl-<X-Request-Id>-<choice>``: the key is the header's id."""
+    key = _SUFFIX.sub("", request_id)
+    completion = _COMPLETION.match(key)
+    return completion.group(1) if completion else key
 
 
 def _abandon(state: _RunnerState) -> None:

@@ -1,0 +1,84 @@
+"""``enginetap capture``: real operator workloads from an engine under a traffic profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+__all__ = ["capture", "print_capture"]
+
+console = Console()
+
+
+def capture(
+    out: Annotated[Path, typer.Option("--out", help="Dataset directory to write.")],
+    model: Annotated[str, typer.Option(help="Model directory or builtin:NAME.")] = "builtin:qwen3_next",
+    profile: Annotated[str, typer.Option(
+        help="Traffic: a profile file, builtin:NAME, mooncake:FILE or agentx:FILE.")
+    ] = "builtin:mooncake-tiny",
+    engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
+    definitions: Annotated[Optional[list[str]], typer.Option(
+        "--definitions", help="Families or definition names to capture (repeatable).")] = None,
+    policy: Annotated[str, typer.Option(help="Selection policy name.")] = "default",
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vLLM).")] = 1,
+    max_output_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    seed: Annotated[Optional[int], typer.Option(help="Prompt seed (default: the profile's).")] = None,
+) -> None:
+    """Drive an engine with traffic while capture is armed; print what was captured."""
+    from enginetap.capture.options import POLICIES
+    from enginetap.errors import ConfigError
+    from enginetap.jobs.capture import CaptureJob, run_capture
+
+    if engine not in ("builtin", "vllm"):
+        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
+                          "pass --engine builtin or --engine vllm")
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}", f"policies are {', '.join(POLICIES)}",
+                          "pass one of them with --policy")
+    if tp > 1 and engine != "vllm":
+        raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
+                          "drop --tp or capture from vLLM")
+    job = CaptureJob(engine, model, profile, out, list(definitions or []), policy, tp,
+                     max_output_tokens, seed, progress=console.is_terminal)
+    result = run_capture(job)
+    ok = print_capture(console, result.dataset)
+    console.print(f"next: enginetap replay {escape(str(result.dataset))}")
+    raise typer.Exit(0 if ok and result.status == "complete" else 1)
+
+
+def print_capture(out: Console, root: Path) -> bool:
+    """Print one table per dataset: definitions, workloads, variants, bytes, plus what
+    each rank dropped or failed. Returns False when something was lost or failed."""
+    import json
+
+    from enginetap.dataset import Dataset
+
+    dataset = Dataset(root)
+    table = Table("definition", "workloads", "variants", "layers", "bytes",
+                  title=f"captured into {escape(str(root))}")
+    for name in sorted(dataset.definitions()):
+        lines = dataset.workloads(name)
+        receipts = [l.enginetap.receipt for l in lines if l.enginetap is not None]
+        variants = {json.dumps(r.notes.get("variant"), sort_keys=True) for r in receipts}
+        layers = {r.layer for r in receipts if r.layer}
+        size = sum(dataset.resolve(i.path).stat().st_size for l in lines[:1]
+                   for i in l.workload.inputs.values() if getattr(i, "path", None))
+        table.add_row(escape(name), str(len(lines)), str(len(variants)), str(len(layers)),
+                      f"~{size * len(lines):,}")
+    out.print(table)
+    ok = True
+    for path in sorted((root / "enginetap").glob("capture-summary-rank*.json")):
+        summary = json.loads(path.read_text())
+        lost = {k: summary[k] for k in ("dropped_budget_full", "dropped_after_write_error")
+                if summary.get(k)}
+        for problem in [*(f"{k}: {v}" for k, v in lost.items()),
+                        *(f"probe {k} disabled: {v}" for k, v in summary["disabled_probes"].items()),
+                        *([f"write error: {summary['write_error']}"] if summary["write_error"] else [])]:
+            ok = False
+            out.print(f"[yellow]rank {summary['rank']}:[/] {escape(problem)}")
+    return ok

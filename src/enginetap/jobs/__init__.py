@@ -1,0 +1,1 @@
+"""End-to-end jobs that combine an engine, traffic and a capability (capture, tap)."""

@@ -1,0 +1,222 @@
+"""The capture job: drive an engine with a traffic profile while capture is armed.
+
+Everything is checked before the engine starts (model, profile, definition names, the
+output directory), so bad input is one clear error and nothing is written. The dataset
+root holds the FlashInfer-Trace files; the run's own files go under ``<root>/enginetap/``:
+
+- ``capture-run.json``: the job's status (``running``, then ``complete`` or ``failed``
+  with the reason) — a dataset whose last run did not complete is marked as such;
+- ``arming.json``: the arming config used; ``capture-labels.json``: request labels;
+- ``capture-summary-rank<r>.json``: what each rank captured, dropped and why;
+- ``traffic.json``: the traffic run's receipts (one per request sent).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from enginetap.capture.labels import write_labels
+from enginetap.config import ARMING_VARS, ArmConfig
+from enginetap.errors import ConfigError
+
+__all__ = ["CaptureJob", "CaptureResult", "RUN_DIR", "run_capture"]
+
+RUN_DIR = "enginetap"
+Engine = Literal["builtin", "vllm"]
+
+
+@dataclass
+class CaptureJob:
+    """What to capture: an engine, a model, a profile, an output dataset."""
+
+    engine: Engine
+    model: str
+    """A model directory or ``builtin:NAME``."""
+    profile: str
+    """A profile file, ``builtin:NAME``, ``mooncake:FILE`` or ``agentx:FILE``."""
+    out: Path
+    definitions: list[str] = field(default_factory=list)
+    policy: str = "default"
+    tp: int = 1
+    max_output_tokens: int = 32
+    seed: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class CaptureResult:
+    dataset: Path
+    summaries: list[dict[str, Any]]
+    receipts: int
+    status: str
+
+
+def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = None
+                ) -> CaptureResult:
+    """Run ``job``; returns what was captured.
+
+    Raises:
+        ConfigError, TrafficError, DefinitionError: bad input, before anything is written.
+    """
+    model_dir = _model_dir(job.model)
+    _check_definitions(job, model_dir)
+    run_dir = _prepare_out(job.out)
+    config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=run_dir, options={
+        "capture": {"dataset": str(job.out.resolve()), "definitions": job.definitions,
+                    "policy": job.policy, "labels_file": str(run_dir / "capture-labels.json")}})
+    (run_dir / "arming.json").write_text(config.model_dump_json(indent=2) + "\n")
+    _status(run_dir, "running", job)
+    try:
+        report = (_run_builtin if job.engine == "builtin" else _run_vllm)(
+            job, model_dir, config, run_dir, on_engine)
+    except BaseException as exc:
+        _status(run_dir, "failed", job, f"{type(exc).__name__}: {exc}")
+        raise
+    (run_dir / "traffic.json").write_text(report.model_dump_json(indent=2) + "\n")
+    summaries = _summaries(run_dir)
+    failed = [s for s in summaries if s.get("write_error")]
+    status = "failed" if failed or not summaries else "complete"
+    _status(run_dir, status, job, failed[0]["write_error"] if failed else
+            "" if summaries else "no capture summary was written")
+    return CaptureResult(job.out, summaries, len(report.receipts), status)
+
+
+# ---------------------------------------------------------------------- checks
+def _model_dir(model: str) -> Path:
+    if model.startswith("builtin:"):
+        from enginetap.models import build_model
+
+        return Path(build_model(model.partition(":")[2]))
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"no model at {model}", "the directory has no config.json",
+                          "pass a model directory or builtin:NAME (`enginetap models list`)")
+    return path
+
+
+def _check_definitions(job: CaptureJob, model_dir: Path) -> None:
+    """Every ``--definitions`` entry must name a family or definition this model runs."""
+    from enginetap.definitions.base import family_of
+    from enginetap.definitions.catalog import definitions_for_model
+
+    engine = "transformers" if job.engine == "builtin" else "vllm"
+    known = definitions_for_model(model_dir, engine=engine)
+    names = {d.name for d in known} | {family_of(d) or "" for d in known}
+    unknown = [n for n in job.definitions if n not in names]
+    if unknown:
+        raise ConfigError(f"unknown definition(s) {', '.join(unknown)} for this model",
+                          f"it runs {', '.join(sorted(n for n in names if n))}",
+                          "name families or definitions from that list")
+
+
+def _prepare_out(out: Path) -> Path:
+    """The run directory under ``out``; ``out`` is new, empty, or an enginetap dataset."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"cannot capture into {out}", "it is a link or not a directory",
+                          "pass a new directory (or an existing dataset) as --out")
+    if out.exists() and any(out.iterdir()) and not (out / "definitions").is_dir():
+        raise ConfigError(f"cannot capture into {out}",
+                          "it is a non-empty directory that is not a dataset",
+                          "pass a new directory, or a dataset to add workloads to")
+    run_dir = out / RUN_DIR
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to {out}", exc.strerror or str(exc),
+                          "choose a writable --out directory") from None
+    return run_dir
+
+
+def _status(run_dir: Path, status: str, job: CaptureJob, reason: str = "") -> None:
+    record = {"status": status, "reason": reason, "engine": job.engine, "model": job.model,
+              "profile": job.profile, "policy": job.policy, "definitions": job.definitions,
+              "tp": job.tp, "command_line": list(sys.argv),
+              "at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    partial = run_dir / ".capture-run.json.partial"
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    partial.replace(run_dir / "capture-run.json")
+
+
+def _summaries(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("capture-summary-rank*.json"))]
+
+
+# ---------------------------------------------------------------------- engines
+def _labeller(run_dir: Path, profile_name: str) -> Callable[[str, Sequence[Any]], None]:
+    labels: dict[str, dict[str, Any]] = {}
+
+    def on_send(unit: str, batch: Sequence[Any]) -> None:
+        for sub in batch:
+            labels[sub.key] = {"label": sub.label, "unit": unit, "role": sub.role,
+                               "profile": profile_name, "source": sub.source,
+                               "input_tokens": len(sub.prompt_ids),
+                               "output_tokens": sub.max_tokens}
+        write_labels(run_dir / "capture-labels.json", labels)
+
+    return on_send
+
+
+def _run_builtin(job: CaptureJob, model_dir: Path, config: ArmConfig, run_dir: Path,
+                 on_engine: Callable[[Any], None] | None) -> Any:
+    from enginetap.engines.hf import HFEngine
+    from enginetap.engines.hf.arming import disarm
+    from enginetap.traffic.drivers import BuiltinDriver
+    from enginetap.traffic.runner import run_profile
+    from enginetap.traffic.sources import resolve_profile
+
+    engine = HFEngine(model_dir, arm=config)
+    try:
+        runtime = engine.arming.context.notes["capture"] if engine.arming else None
+        if runtime is None or not runtime.installed_targets:
+            raise ConfigError(f"no capture probe matches the model in {model_dir}",
+                              "the built-in engine's probes do not cover its layers",
+                              "capture a model of a supported architecture "
+                              "(`enginetap models list`)")
+        if on_engine is not None:
+            on_engine(engine)
+        profile = resolve_profile(job.profile, max_context=engine.max_positions,
+                                  max_output_tokens=job.max_output_tokens, seed=job.seed)
+        return run_profile(profile, BuiltinDriver(engine), progress=job.progress,
+                           on_send=_labeller(run_dir, profile.name))
+    finally:
+        disarm()
+
+
+def _run_vllm(job: CaptureJob, model_dir: Path, config: ArmConfig, run_dir: Path,
+              on_engine: Callable[[Any], None] | None) -> Any:
+    from enginetap.traffic.drivers import VLLMDriver
+    from enginetap.traffic.runner import run_profile
+    from enginetap.traffic.sources import resolve_profile
+
+    for name in ARMING_VARS:
+        os.environ.pop(name, None)
+    os.environ["ENGINETAP_CONFIG"] = str(run_dir / "arming.json")
+    if job.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM
+
+    max_len = 2048
+    llm = LLM(model=str(model_dir), tensor_parallel_size=job.tp, gpu_memory_utilization=0.3,
+              enforce_eager=True, max_model_len=max_len, enable_prefix_caching=True, seed=0)
+    try:
+        if on_engine is not None:
+            on_engine(llm)
+        profile = resolve_profile(job.profile, max_context=max_len,
+                                  max_output_tokens=job.max_output_tokens, seed=job.seed)
+        return run_profile(profile, VLLMDriver(llm), progress=job.progress,
+                           on_send=_labeller(run_dir, profile.name))
+    finally:
+        del llm  # shuts the engine core and its workers down: they flush their writers
+        import gc
+
+        gc.collect()
