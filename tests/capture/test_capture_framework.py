@@ -1,0 +1,192 @@
+"""The capture runtime on the built-in engine: selection, copies, writer, failures, CLI.
+
+Probes themselves (fidelity per family) are tested beside their tables; these tests pin
+what every probe relies on: unselected steps copy nothing, a capture never changes the
+engine's tokens, a write error stops capture but not the engine, a failing probe disarms
+itself, and bad input is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from enginetap.capture import copy as capture_copy
+from enginetap.config import ArmConfig
+from enginetap.core.context import subscribe, unsubscribe
+from enginetap.dataset import Dataset, validate_dataset
+from enginetap.engines.hf import HFEngine, Request
+from enginetap.engines.hf.arming import disarm
+from enginetap.replay import replay_dataset
+
+PROMPTS = ["kernels and caches meet the scheduler", "a shorter prompt", "hi"]
+
+
+def _requests(new: int = 6) -> list[Request]:
+    return [Request(request_id=f"r{i}", prompt=p, max_new_tokens=new)
+            for i, p in enumerate(PROMPTS)]
+
+
+def _armed(tmp_path: Path, **capture: object) -> ArmConfig:
+    return ArmConfig(enabled=True, capabilities=["capture"], out_dir=tmp_path / "run",
+                     options={"capture": {"dataset": str(tmp_path / "ds"), **capture}})
+
+
+@pytest.fixture
+def armed_engine(tmp_path):
+    engines = []
+
+    def make(**capture: object) -> HFEngine:
+        engines.append(HFEngine.from_builtin("llama", arm=_armed(tmp_path, **capture)))
+        return engines[-1]
+
+    yield make
+    disarm()
+
+
+def test_armed_capture_keeps_tokens_and_replays(tmp_path, armed_engine):
+    disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
+    engine = armed_engine()
+    armed = [c.output_ids for c in engine.generate(_requests())]
+    disarm()
+    assert armed == disarmed
+    summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
+    assert summary["written"] > 0 and not summary["disabled_probes"]
+    assert validate_dataset(tmp_path / "ds") == []
+    report = replay_dataset(tmp_path / "ds", progress=False)
+    assert report.ok
+    line = Dataset(tmp_path / "ds").workloads(next(iter(Dataset(tmp_path / "ds").definitions())))[0]
+    receipt = line.enginetap.receipt
+    assert receipt.source == "capture:the built-in transformers engine"
+    assert receipt.layer and receipt.notes["probe"] and receipt.notes["adapter"]
+    assert set(receipt.request_ids) <= {"r0", "r1", "r2"}
+    assert receipt.notes["model"]["config_sha256"]
+
+
+def test_unselected_steps_copy_no_tensor(tmp_path, armed_engine):
+    engine = armed_engine(policy="prefill-only")
+    copies: dict[int, tuple[str, int, int]] = {}
+
+    def begin(step):
+        copies[step.step] = (step.mode, capture_copy.STATS.tensors, 0)
+
+    def end(step):
+        mode, before, _ = copies[step.step]
+        copies[step.step] = (mode, before, capture_copy.STATS.tensors)
+
+    subscribe(on_begin=begin, on_end=end)
+    try:
+        engine.generate(_requests())
+    finally:
+        unsubscribe(begin)
+        unsubscribe(end)
+    decode = [after - before for mode, before, after in copies.values() if mode == "decode"]
+    prefill = [after - before for mode, before, after in copies.values() if mode == "prefill"]
+    assert len(decode) == 5 and decode == [0] * 5
+    assert prefill and prefill[0] > 0
+
+
+def test_decode_picks_follow_the_policy_and_labels(tmp_path, armed_engine):
+    from enginetap.capture.labels import write_labels
+
+    write_labels(tmp_path / "run" / "capture-labels.json",
+                 {f"r{i}": {"output_tokens": 9} for i in range(3)})
+    engine = armed_engine(policy={"name": "t", "prefill": False, "decode_steps": [2, "last"],
+                                  "per_variant": 8})
+    engine.generate(_requests(new=9))
+    disarm()
+    steps = {l.enginetap.receipt.step for name in Dataset(tmp_path / "ds").definitions()
+             for l in Dataset(tmp_path / "ds").workloads(name)}
+    # prefill is step 0; decode index d runs in step d + 1; 8 decodes: picks 2 and 7
+    assert steps == {3, 8}
+
+
+def test_a_write_error_stops_capture_and_the_engine_goes_on(tmp_path, armed_engine):
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "blob").write_text("a file where the blob folder belongs")
+    disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
+    engine = armed_engine()
+    assert [c.output_ids for c in engine.generate(_requests())] == disarmed
+    disarm()
+    summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
+    assert summary["write_error"] and summary["written"] == 0
+    assert summary["dropped_after_write_error"] > 0
+
+
+def test_a_failing_probe_disarms_itself_and_is_counted(tmp_path, armed_engine, monkeypatch):
+    from enginetap.engines.hf import probes
+
+    def broken(call):
+        raise RuntimeError("adapter bug")
+
+    broken_probe = probes.Probe("test.broken", "rmsnorm", probes.PROBES[0].define, broken,
+                                suffix="RMSNorm")
+    monkeypatch.setattr(probes, "PROBES", [broken_probe])
+    disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
+    engine = armed_engine()
+    assert [c.output_ids for c in engine.generate(_requests())] == disarmed
+    disarm()
+    summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
+    assert summary["probe_failures"] == {"test.broken": 1}
+    assert "adapter bug" in summary["disabled_probes"]["test.broken"]
+
+
+def test_captured_dataset_loads_in_flashinfer_bench(tmp_path, armed_engine):
+    data = pytest.importorskip("flashinfer_bench.data")
+    armed_engine().generate(_requests())
+    disarm()
+    traces = data.TraceSet.from_path(str(tmp_path / "ds"))
+    assert set(traces.definitions) == set(Dataset(tmp_path / "ds").definitions())
+    assert sum(len(w) for w in traces.workloads.values()) > 0
+
+
+# ------------------------------------------------------------------------- CLI
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "enginetap.cli.main", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("case", ["profile", "definition", "out", "model"])
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
+    args = ["capture", "--model", "builtin:llama", "--out", str(tmp_path / "ds")]
+    if case == "profile":
+        (tmp_path / "p.json").write_text('{"name": "x", "requests": [{"label": 3}]}')
+        args += ["--profile", str(tmp_path / "p.json")]
+    elif case == "definition":
+        args += ["--definitions", "no_such_family"]
+    elif case == "out":
+        (tmp_path / "ds").write_text("a file")
+    else:
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text("{}")
+        args[2] = str(tmp_path / "m")
+    out = _cli(*args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error:" in out.stderr and "Traceback" not in out.stderr
+    if case != "out":
+        ds = tmp_path / "ds"
+        # refused before the engine: nothing written, or a run marked failed
+        status = ds / "enginetap" / "capture-run.json"
+        assert not (ds / "definitions").exists()
+        assert not status.exists() or json.loads(status.read_text())["status"] == "failed"
+
+
+def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
+    out = _cli("capture", "--model", "builtin:llama", "--out", str(tmp_path / "ds"),
+               "--max-output-tokens", "4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "captured into" in out.stdout and "enginetap replay" in out.stdout
+    run = json.loads((tmp_path / "ds" / "enginetap" / "capture-run.json").read_text())
+    assert run["status"] == "complete" and run["profile"] == "builtin:mooncake-tiny"
+    labels = json.loads((tmp_path / "ds" / "enginetap" / "capture-labels.json").read_text())
+    assert any(v["role"] == "predecessor" for v in labels.values())
+    ds = Dataset(tmp_path / "ds")
+    receipts = [l.enginetap.receipt for n in ds.definitions() for l in ds.workloads(n)]
+    labelled = [r for r in receipts if any(v for v in r.notes["requests"].values())]
+    assert labelled and all(r.notes["requests"][k].get("profile") == "mooncake-tiny"
+                            for r in labelled for k in r.request_ids)
+    assert replay_dataset(tmp_path / "ds", progress=False).ok
