@@ -74,8 +74,28 @@ class HFEngine:
         # ``arm`` or, by default, the process's ENGINETAP_* arming.
         self.arming = arm_process(arm)
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.model, self.tokenizer = _load(self.model_dir, self.device, dtype)
+        model, tokenizer = _load(self.model_dir, torch.device(device), dtype)
+        self._setup(model, tokenizer, prefix_cache_size)
+
+    @classmethod
+    def from_loaded(cls, model: Any, tokenizer: Any = None, *, prefix_cache_size: int = 16,
+                    arm: ArmConfig | None = None) -> HFEngine:
+        """An engine over a transformers causal LM already in memory (benchmarks build
+        real-width random-weight models on the device this way). Arming happens here,
+        after the model was built: capabilities patch classes, so that is equivalent.
+
+        Raises:
+            ConfigError: the arming config is invalid or conflicts with the process's.
+        """
+        engine = cls.__new__(cls)
+        engine.arming = arm_process(arm)
+        engine.model_dir = Path(str(getattr(model.config, "_name_or_path", "") or "."))
+        engine._setup(model.eval(), tokenizer, prefix_cache_size)
+        return engine
+
+    def _setup(self, model: Any, tokenizer: Any, prefix_cache_size: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
         if self.arming is not None:
             self.arming.hooks.model_loaded(self.model)
         config = self.model.config

@@ -1,0 +1,214 @@
+"""Cost of capture on the built-in engine, measured side by side in one process.
+
+    python bench/bench_capture.py [--model builtin:qwen3_next] [--device cpu]
+    python bench/bench_capture.py --device cuda --width 4096 --layers 8 --batch 32
+
+Variants, interleaved round by round so machine noise hits all alike (one model, armed
+and disarmed around it):
+
+- ``disarmed``;
+- ``unselected``: capture armed, policy ``prefill-only``: the decode steps measured are
+  never selected (the cost of the probes' checks alone);
+- ``selected``: capture armed, every decode step selected, no per-variant limit (the cost
+  of copying every probed call's tensors out, and of the writer keeping up).
+
+Per variant: the median decode-step time (from step begin to step end, sampling included)
+and its ratio to disarmed; for ``selected`` also the bytes copied per step and, on a GPU,
+that copy's rate against the measured pinned device→host bandwidth. Then the writer alone:
+workloads of a given size committed per second, against a plain safetensors write.
+
+``--width/--layers`` build a Llama-style random-weight model of that size on the device
+(nothing is downloaded); without them ``--model`` is a built-in tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from enginetap.capture import copy as capture_copy
+from enginetap.config import ArmConfig
+from enginetap.core.context import subscribe, unsubscribe
+from enginetap.engines.hf import HFEngine, Request
+from enginetap.engines.hf.arming import disarm
+
+
+def _model(args: argparse.Namespace):
+    if args.width:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=args.width, intermediate_size=args.width * 11 // 4,
+                             num_hidden_layers=args.layers, num_attention_heads=args.width // 128,
+                             num_key_value_heads=max(1, args.width // 512), vocab_size=32000,
+                             max_position_embeddings=4096, tie_word_embeddings=False)
+        with torch.device(args.device):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        return model, f"llama-style random weights, hidden {args.width}, {args.layers} layers"
+    from enginetap.models import build_model
+    from transformers import AutoModelForCausalLM
+
+    name = args.model.partition(":")[2] or args.model
+    model = AutoModelForCausalLM.from_pretrained(build_model(name), dtype=torch.bfloat16)
+    return model.to(args.device), f"built-in {name}"
+
+
+def _requests(args: argparse.Namespace, vocab: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(0)
+    return [Request(request_id=f"b{i}", max_new_tokens=args.new_tokens,
+                    prompt_ids=torch.randint(3, vocab, (args.context,), generator=gen).tolist())
+            for i in range(args.batch)]
+
+
+def _decode_steps(engine: HFEngine, requests: list[Request]) -> tuple[list[float], list[int]]:
+    times, copied, marks = [], [], {}
+
+    def begin(step) -> None:
+        if step.mode == "decode":
+            marks[step.step] = (time.perf_counter(), capture_copy.STATS.bytes)
+
+    def end(step) -> None:
+        if step.step in marks:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0, b0 = marks.pop(step.step)
+            times.append(time.perf_counter() - t0)
+            copied.append(capture_copy.STATS.bytes - b0)
+
+    subscribe(on_begin=begin, on_end=end)
+    try:
+        engine.generate(requests)
+    finally:
+        unsubscribe(begin)
+        unsubscribe(end)
+    return times, copied
+
+
+def _config(out: Path, policy) -> ArmConfig:
+    return ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
+                     options={"capture": {"dataset": str(out / "ds"), "policy": policy,
+                                          "budget_bytes": 1 << 30}})
+
+
+EVERY_DECODE = {"name": "bench-every-decode", "prefill": False,
+                "decode_steps": list(range(512)), "per_variant": 1 << 20,
+                "per_definition": 1 << 20, "per_layer": True}
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    model, what = _model(args)
+    print(f"model: {what}; batch {args.batch}, context {args.context}, "
+          f"{args.new_tokens} new tokens; device {args.device}")
+    requests = _requests(args, model.config.vocab_size)
+    results: dict[str, list[float]] = {"disarmed": [], "unselected": [], "selected": []}
+    copied: list[int] = []
+    tokens = None
+    with tempfile.TemporaryDirectory() as tmp:
+        names = list(results)
+        for round_ in range(args.rounds):
+            # rotate the order each round: no variant always runs first (or after another)
+            for variant in names[round_ % 3:] + names[:round_ % 3]:
+                policy = {"unselected": "prefill-only", "selected": EVERY_DECODE}.get(variant)
+                out = Path(tmp) / f"{variant}-{round_}"
+                engine = HFEngine.from_loaded(model, arm=_config(out, policy) if policy else None)
+                try:
+                    times, sizes = _decode_steps(engine, requests)
+                    done = [c.output_ids for c in engine.generate(requests[:1])]
+                finally:
+                    disarm()
+                tokens = tokens or done
+                assert done == tokens, f"{variant}: tokens differ from the first run"
+                results[variant] += times[1:]  # the first decode step warms caches
+                if variant == "selected":
+                    copied += sizes[1:]
+    base = statistics.median(results["disarmed"])
+    table = {v: {"median_ms": statistics.median(t) * 1e3,
+                 "ratio": statistics.median(t) / base} for v, t in results.items()}
+    table["selected"]["bytes_per_step"] = statistics.median(copied)
+    extra = statistics.median(results["selected"]) - base
+    table["selected"]["copy_gb_per_s"] = statistics.median(copied) / max(extra, 1e-9) / 1e9
+    return table
+
+
+def pinned_d2h_gb_per_s(device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 10 * src.numel() / (time.perf_counter() - start) / 1e9
+
+
+def writer_throughput(workloads: int, rows: int, width: int) -> tuple[float, float]:
+    """Workloads/s through the capture writer vs plain safetensors files, same bytes."""
+    from safetensors.torch import save_file
+
+    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.writer import Item, Writer
+    from enginetap.dataset import Dataset
+    from enginetap.dataset.schema import Receipt
+    from enginetap.definitions import get_template
+
+    definition = get_template("rmsnorm").instantiate(hidden_size=width)
+    x = torch.randn(rows, width).to(torch.bfloat16)
+    w = torch.ones(width, dtype=torch.bfloat16)
+    receipt = Receipt(source="bench", created_at="2026-01-01T00:00:00+00:00")
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = Writer(Dataset(Path(tmp) / "ds", create=True), budget_bytes=1 << 30)
+        start = time.perf_counter()
+        for _ in range(workloads):
+            writer.submit(Item(definition, HostCopies.of({"hidden_states": x, "weight": w,
+                                                          "eps": 1e-6}),
+                               HostCopies.of({"output": x}), receipt))
+        writer.close()
+        ours = workloads / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for i in range(workloads):
+            save_file({"hidden_states": x.clone(), "weight": w.clone(), "output": x.clone()},
+                      str(Path(tmp) / f"plain{i}.safetensors"))
+        plain = workloads / (time.perf_counter() - start)
+    return ours, plain
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:qwen3_next")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--width", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--writer-workloads", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    table = measure(args)
+    for variant, row in table.items():
+        print(f"{variant:>11}: decode step {row['median_ms']:.3f} ms  ratio {row['ratio']:.3f}"
+              + (f"  copied {row['bytes_per_step'] / 1e6:.2f} MB/step "
+                 f"({row['copy_gb_per_s']:.2f} GB/s of added step time)"
+                 if "bytes_per_step" in row else ""))
+    bandwidth = pinned_d2h_gb_per_s(args.device)
+    if bandwidth == bandwidth:
+        print(f"pinned device->host bandwidth: {bandwidth:.1f} GB/s; selected-step copy rate "
+              f"{table['selected']['copy_gb_per_s'] / bandwidth:.1%} of it")
+    ours, plain = writer_throughput(args.writer_workloads, 64, 4096)
+    print(f"writer: {ours:.0f} workloads/s (64x4096 bf16 in+out) vs plain safetensors files "
+          f"{plain:.0f}/s: ratio {ours / plain:.2f}")
+
+
+if __name__ == "__main__":
+    main()
