@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from enginetap.definitions.base import known_template
+from enginetap.definitions import known_template
 from enginetap.definitions.catalog import definitions_for_config, definitions_for_model
 from enginetap.errors import DefinitionError
 from enginetap.models import model_config

@@ -13,7 +13,7 @@ import torch
 
 from enginetap.dataset.dtypes import torch_dtype
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import compile_reference, known_template, templates
+from enginetap.definitions import compile_reference, known_template, templates
 
 FAMILIES = sorted(templates())
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginetap.definitions.base import compile_reference, get_template, known_template
+from enginetap.definitions import compile_reference, get_template, known_template
 
 
 def reference(family: str, **values):

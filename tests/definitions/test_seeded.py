@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import Template, compile_reference, get_template, known_template
-from enginetap.definitions.seeded import FAMILIES
+from enginetap.definitions import Template, compile_reference, get_template, known_template
+from enginetap.definitions.families import SEED_ONLY
 from enginetap.errors import DefinitionError
 
+FAMILIES = [t.family for t in SEED_ONLY]
 GEMM, MLA_DECODE, MLA_PREFILL, TOPK, GQA = FAMILIES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
           "int32": torch.int32, "float8_e4m3fn": torch.float8_e4m3fn}

@@ -199,7 +199,7 @@ def test_cuda_replay_poisons_and_times_on_the_device(rmsnorm_dataset: Built) -> 
 
 def test_router_ids_that_tie_on_their_logits_pass_and_others_fail(tmp_path: Path) -> None:
     from enginetap.dataset import Dataset
-    from enginetap.definitions.base import get_template
+    from enginetap.definitions.registry import get_template
 
     template = get_template("moe_topk_softmax")
     definition = template.example_definition()

@@ -36,7 +36,7 @@ def _pairs(items: list[str] | None) -> dict[str, str]:
 @app.command("list")
 def list_families() -> None:
     """Every registered family: op type, the engines it describes, its example's name."""
-    from enginetap.definitions.base import templates
+    from enginetap.definitions.registry import templates
 
     table = Table()
     # Names are identifiers to copy: show them whole (folded), never cut with an ellipsis.
@@ -55,7 +55,7 @@ def list_families() -> None:
 def show(family: Annotated[str, typer.Argument(help="Family name (see `list`).")],
          set_: SetOption = None) -> None:
     """Print the family's definition JSON: its example, with --set overrides."""
-    from enginetap.definitions.base import get_template
+    from enginetap.definitions.registry import get_template
     from enginetap.replay.synth import coerce_values
 
     template = get_template(family)
@@ -76,7 +76,7 @@ def synth(
     """Write each family's definition and synthetic workloads (reference outputs as the
     engine's) into DATASET. A family that fails is reported and the others still run."""
     from enginetap.dataset import Dataset
-    from enginetap.definitions.base import get_template, templates
+    from enginetap.definitions.registry import get_template, templates
     from enginetap.replay.synth import coerce_values, synthesize
 
     if bool(family) == all_:

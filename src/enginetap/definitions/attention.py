@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import Template, Tensor, const, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -127,10 +127,10 @@ _HEADS = {"num_qo_heads": const("query heads (per rank)"),
           "num_kv_heads": const("key/value heads (per rank)"),
           "head_dim": const("head size")}
 
-GQA_RAGGED_PREFILL = register(Template(
+GQA_RAGGED_PREFILL = Template(
     family="gqa_ragged_prefill",
     op_type="gqa_ragged",
-    name="gqa_ragged_prefill_causal_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}",
+    name="gqa_ragged_prefill_causal_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_{dtype}",
     description=(
         "Causal GQA over packed requests; each request's queries are the last q_len positions "
         "of its kv (kv_len >= q_len, so prefix-cached prefill fits). lse = log2 sum exp(logits). "
@@ -153,16 +153,17 @@ GQA_RAGGED_PREFILL = register(Template(
     reference="gqa_ragged_prefill.py",
     generate=_generate_ragged,
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("total_q <= total_kv", "num_qo_heads % num_kv_heads == 0"),
     engines=("transformers", "vllm"),
     example={"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 32},
     example_axes={"total_q": 21, "total_kv": 45, "len_indptr": 4},
-))
+)
 
-GQA_PAGED_DECODE = register(Template(
+GQA_PAGED_DECODE = Template(
     family="gqa_paged_decode",
     op_type="gqa_paged",
-    name="gqa_paged_decode_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_ps{page_size}",
+    name="gqa_paged_decode_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_ps{page_size}_{dtype}",
     description=(
         "GQA decode (one query per request) over an NHD paged cache [num_pages, page_size, "
         "num_kv_heads, head_dim]; request b reads pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], "
@@ -186,8 +187,9 @@ GQA_PAGED_DECODE = register(Template(
     reference="gqa_paged_decode.py",
     generate=_generate_paged,
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("len_indptr == batch_size + 1", "num_qo_heads % num_kv_heads == 0"),
     engines=("transformers", "vllm"),
     example={"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 32, "page_size": 16},
     example_axes={"batch_size": 3, "len_indptr": 4, "num_pages": 12, "num_kv_indices": 7},
-))
+)

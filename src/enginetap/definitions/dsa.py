@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def _sparse_mla_inputs(definition: Definition, axes: Mapping[str, int],
             "sparse_indices": indices, "sm_scale": (128 + kpe) ** -0.5}
 
 
-INDEXER_TOPK = register(Template(
+INDEXER_TOPK = Template(
     family="dsa_indexer_topk",
     op_type="dsa_indexer",
     name="dsa_indexer_topk_h{index_n_heads}_d{index_head_dim}_topk{index_topk}",
@@ -155,9 +155,9 @@ INDEXER_TOPK = register(Template(
     engines=("transformers",),
     example={"index_n_heads": 8, "index_head_dim": 64, "index_topk": 16},
     example_axes={"num_tokens": 24, "num_keys": 64},
-))
+)
 
-SPARSE_MLA = register(Template(
+SPARSE_MLA = Template(
     family="dsa_sparse_mla",
     op_type="dsa_attention",
     name="dsa_sparse_attention_h{num_qo_heads}_ckv{head_dim_ckv}_kpe{head_dim_kpe}"
@@ -207,4 +207,4 @@ SPARSE_MLA = register(Template(
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "topk": 32,
              "page_size": 4},
     example_axes={"num_tokens": 12, "num_pages": 24},
-))
+)

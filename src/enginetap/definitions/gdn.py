@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.definitions.attention import indptr, random_input, split_lengths
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -85,10 +85,10 @@ _CONSTRAINTS = ("num_v_heads % num_qk_heads == 0",)
 # in tests/definitions/test_gdn.py), so the float32 default (1e-5) would fail every capture.
 _STATE_RULE = CompareRule("float", atol=1e-2, rtol=1e-2)
 
-GDN_PREFILL = register(Template(
+GDN_PREFILL = Template(
     family="gdn_prefill",
     op_type="gdn",
-    name="gdn_prefill_qk{num_qk_heads}_v{num_v_heads}_d{head_size}",
+    name="gdn_prefill_qk{num_qk_heads}_v{num_v_heads}_d{head_size}_{dtype}",
     description=(
         "Gated delta rule over packed sequences (cu_seqlens), each from its own initial state: "
         "per value head, S = exp(g) S; S += k (beta (v - k^T S))^T; o = scale q^T S with q, k "
@@ -120,16 +120,17 @@ GDN_PREFILL = register(Template(
     generate=_generate_prefill,
     compare={"final_state": _STATE_RULE},
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("len_cu_seqlens == num_seqs + 1", *_CONSTRAINTS),
     engines=("transformers", "vllm"),
     example={"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64},
     example_axes={"total_seq_len": 90, "len_cu_seqlens": 4, "num_seqs": 3},
-))
+)
 
-GDN_DECODE = register(Template(
+GDN_DECODE = Template(
     family="gdn_decode",
     op_type="gdn",
-    name="gdn_decode_qk{num_qk_heads}_v{num_v_heads}_d{head_size}",
+    name="gdn_decode_qk{num_qk_heads}_v{num_v_heads}_d{head_size}_{dtype}",
     description=(
         "One gated-delta-rule step per sequence: per value head, S' = exp(g) S + k (beta (v - "
         "k^T exp(g) S))^T, output = scale q^T S' with q, k L2-normalised. vLLM CPU: "
@@ -158,8 +159,9 @@ GDN_DECODE = register(Template(
     generate=_generate_decode,
     compare={"new_state": _STATE_RULE},
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=_CONSTRAINTS,
     engines=("transformers", "vllm"),
     example={"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64},
     example_axes={"batch_size": 3},
-))
+)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +102,7 @@ _MLA_AXES = {
 _ATTENTION_OUT = {"output": ("bfloat16", "attention output in latent space"),
                   "lse": ("float32", "base-2 log-sum-exp of the attended logits, sink excluded")}
 
-register(Template(
+MLA_DECODE_FP8_FP4_SINK = Template(
     family=DECODE,
     op_type="mla_paged",
     name="mla_decode_fp8_fp4_sink_h{num_heads}_ckv{ckv_dim}_kpe{kpe_dim}_ps{page_size}"
@@ -150,9 +150,9 @@ register(Template(
     example={"num_heads": 4, "ckv_dim": 128, "kpe_dim": 32, "page_size": 8, "ckv_tiles": 2,
              "ckv_packed": 64, "ckv_groups": 4, "topk8": 16, "topk4": 12},
     example_axes={"batch": 3, "num_pages8": 6, "num_pages4": 5},
-))
+)
 
-register(Template(
+SPARSE_MLA_PREFILL_SINK = Template(
     family=PREFILL,
     op_type="dsa_attention",
     name="sparse_mla_prefill_sink_h{num_heads}_ckv{ckv_dim}_kpe{kpe_dim}_ps{page_size}"
@@ -185,4 +185,4 @@ register(Template(
     tags=("seed-only", "attention_sink"),
     example={"num_heads": 4, "ckv_dim": 64, "kpe_dim": 16, "page_size": 4, "topk": 8},
     example_axes={"num_tokens": 6, "num_pages": 5},
-))
+)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Genera
     }
 
 
-register(Template(
+MOE_GROUPED_GEMM_FP8_FP4 = Template(
     family=FAMILY,
     op_type="grouped_gemm",
     name="moe_grouped_gemm_fp8_fp4_e{num_experts}_n{n}_k{k}_kb{k_blocks}",
@@ -88,4 +88,4 @@ register(Template(
     example={"num_experts": 4, "n": 48, "k": 256, "k_blocks": 2, "k_packed": 128,
              "k_groups": 8},
     example_axes={"total_m": 24, "len_indptr": 5},
-))
+)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
@@ -105,11 +105,11 @@ def _generate_decode(definition: Definition, axes: Mapping[str, int], gen: torch
     }
 
 
-register(Template(
+COMPRESSED_SPARSE_TOPK = Template(
     family=TOPK,
     op_type="sparse_index",
     name="compressed_sparse_topk_h{num_heads}_d{head_dim}_c{block_size}_ps{page_size}"
-         "_topk{topk}",
+         "_topk{topk}_relu{relu:d}",
     description=(
         "Block-level sparse-attention indexer. The cache holds one compressed key per "
         "complete block of block_size tokens; logical block b of token t is at "
@@ -148,9 +148,9 @@ register(Template(
     tags=("seed-only",),
     example={"num_heads": 4, "head_dim": 32, "page_size": 4, "block_size": 4, "topk": 6},
     example_axes={"num_tokens": 7, "num_pages": 10, "max_pages": 4},
-))
+)
 
-register(Template(
+SPARSE_GQA_PAGED_DECODE = Template(
     family=DECODE,
     op_type="gqa_paged",
     name="sparse_gqa_paged_decode_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_ps{page_size}"
@@ -193,4 +193,4 @@ register(Template(
     example={"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 32, "page_size": 8,
              "block_size": 4, "topk": 5},
     example_axes={"batch": 3, "num_pages": 12, "max_pages": 4, "sel_heads": 2},
-))
+)
