@@ -74,7 +74,9 @@ def synth(
     seed: Annotated[int, typer.Option(help="Seed of the first workload (+1 per workload).")] = 0,
 ) -> None:
     """Write each family's definition and synthetic workloads (reference outputs as the
-    engine's) into DATASET. A family that fails is reported and the others still run."""
+    engine's) into DATASET. --set values are checked against each family (types, allowed
+    values, constraints, a size budget). A family that fails is reported in one line, leaves
+    nothing behind, and the others still run."""
     from enginetap.dataset import Dataset
     from enginetap.definitions.registry import get_template, templates
     from enginetap.replay.synth import coerce_values, synthesize
@@ -92,6 +94,12 @@ def synth(
         except EnginetapError as exc:
             failed += 1
             err.print(f"error: {template.family}: {exc}", markup=False, highlight=False)
+            continue
+        except (OSError, MemoryError, RuntimeError, ValueError, TypeError) as exc:
+            # Not ours (a full disk, an allocation): one line, and the other families still run.
+            failed += 1
+            err.print(f"error: {template.family}: {type(exc).__name__}: {exc}",
+                      markup=False, highlight=False)
             continue
         out.print(f"{template.family}: wrote {definition.name} with {workloads} workload(s)",
                   markup=False, highlight=False)

@@ -98,13 +98,14 @@ def definitions_for_config(config: Mapping[str, Any], *, engine: Engine = "vllm"
 
 
 def _wanted(cfg: _Config, engine: Engine, page_size: int) -> list[tuple[str, dict[str, Any]]]:
-    hidden = cfg.get("hidden_size")
-    norm = {"hidden_size": hidden, "dtype": _dtype(cfg)}
-    wanted = [("rmsnorm", norm), ("fused_add_rmsnorm", norm)]
+    dtype = _dtype(cfg)
+    wanted = [("rmsnorm", {"hidden_size": cfg.get("hidden_size")})]
+    wanted += [("fused_add_rmsnorm", wanted[0][1])]
     wanted += _attention(cfg, page_size)
     wanted += _linear_attention(cfg)
-    wanted += _moe(cfg, engine)
-    return wanted
+    # Families whose activation dtype is a parameter take the model's own.
+    return [(family, {**values, "dtype": dtype} if "dtype" in get_template(family).params
+             else values) for family, values in wanted] + _moe(cfg, engine)
 
 
 def _dtype(cfg: _Config) -> str:

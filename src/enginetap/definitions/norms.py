@@ -14,18 +14,23 @@ parameter and part of the name (``rounding``):
   sum but normalises the *rounded* residual it writes back.
 
 The two differ by one unit in the last place (ulp) on about a quarter of bf16 elements.
+Both take the variance in float32 from the float32 inputs (for the fused form, of the float32
+sum, never of the rounded residual).
 
 Engine spread, measured against vLLM 0.32's three CPU builds (``tests/definitions/
-test_norms.py`` loads each one the CPU can run): the build for AVX512-BF16/AMX CPUs rounds
-float32 to bf16 to nearest even, like torch and this reference, and matches it bit for bit
-except where a different summation order of the variance flips a rounding (1 ulp, rare). The
+test_norms.py`` loads each one the CPU can run; a build computes the same bits on any CPU
+that runs it, so this machine reproduces the others' numerics): the build for AVX512-BF16/AMX
+CPUs rounds float32 to bf16 to nearest even, like torch and this reference, and matches it to
+1 ulp (a different summation order of the variance flips a rounding on rare elements). The
 AVX-512F build without BF16 and the AVX2 build (older Xeons, AMD EPYC before Zen 4) convert
-by *truncation*: ``residual_out`` is up to 1 ulp below in magnitude, and ``output``, which
-normalises that residual and truncates again, up to 2 ulps off. Hence the compare rule:
-``|actual - expected| <= 2**-6 * |expected|``, which is 2 bf16 ulps (a bf16 ulp is at most
-``2**-7`` of the value); at |x| in [2, 4) that is 0.03125, while bf16's default
-``1e-2 + 1e-2 * |x|`` would refuse it. For float16/float32 instances the same bound is looser
-than their own rounding, never tighter.
+by *truncation*: ``residual_out`` is up to 1 ulp smaller in magnitude, and ``output``, which
+normalises that residual and truncates again, is off by up to 3 ulps (2 of 896 elements by
+0.03125 at |x| ~ 2 on such a machine). Bound, relative to the value: each truncation errs by
+less than ``2**-7`` (a bf16 ulp is at most that fraction of the value) and the reference's own
+rounding by at most ``2**-8``, so engines stay below ``2.5 * 2**-7`` (measured: 1.97 * 2**-7).
+The compare rule is therefore ``|actual - expected| <= 3 * 2**-7 * |expected|``: the engines'
+own spread, where bf16's default ``1e-2 + 1e-2 * |x|`` (0.03 at |x| = 2) refuses them. For
+float16/float32 instances the same bound is looser than their own rounding, never tighter.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ __all__ = ["FUSED_ADD_RMSNORM", "RMSNORM"]
 _EPS = 1e-6
 _ROUNDING = ("twice", "once")
 _DTYPES = ("bfloat16", "float16", "float32")
-# Two bf16 ulps, relative (see the module docstring); zeros stay zeros in every engine.
-_ULPS2 = CompareRule(atol=2.0 ** -24, rtol=2.0 ** -6)
+# The engines' spread, relative (see the module docstring); zeros stay zeros in every engine.
+_SPREAD = CompareRule(atol=2.0 ** -24, rtol=3 * 2.0 ** -7)
 
 
 def _rows(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
@@ -95,9 +100,9 @@ _ROUNDING_DOC = (
     " Rounding (the name's last part): 'twice' rounds the normalised row r = x * "
     "rsqrt(mean(x^2) + eps) (float32) to dtype, then rounds r * weight again (transformers "
     "LlamaRMSNorm, vLLM 0.32 CPU's RMSNorm); 'once' rounds only x * rsqrt(...) * weight "
-    "(vLLM's C kernel rms_norm, FlashInfer). Engines of the same rounding agree within 2 ulps "
-    "of dtype (vLLM CPU builds for CPUs without AVX512-BF16 truncate instead of rounding to "
-    "nearest), which is the compare rule.")
+    "(vLLM's C kernel rms_norm, FlashInfer). Engines of the same rounding agree within a "
+    "relative 3 * 2^-7 (bf16: vLLM CPU builds for CPUs without AVX512-BF16 truncate instead "
+    "of rounding to nearest), which is the compare rule.")
 
 RMSNORM = Template(
     family="rmsnorm",
@@ -116,7 +121,7 @@ RMSNORM = Template(
     outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}")},
     reference="rmsnorm.py",
     generate=_generate_rmsnorm,
-    compare={"output": _ULPS2},
+    compare={"output": _SPREAD},
     params={"dtype": "bfloat16", "rounding": "twice"},
     choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("transformers", "vllm"),
@@ -139,9 +144,9 @@ FUSED_ADD_RMSNORM = Template(
         + _INPUT_MAP + ", residual -> residual; it returns (output, residual_out) in this "
         "order (the C kernel writes them into x and residual in place). transformers has no "
         "fused form (its decoder layers add in dtype, then call the plain norm), so only vLLM "
-        "runs this family. Engines of the same rounding agree within 2 ulps of dtype (vLLM CPU "
-        "builds for CPUs without AVX512-BF16 truncate: residual_out 1 ulp, output 2 ulps), "
-        "which is the compare rule."),
+        "runs this family. Engines of the same rounding agree within a relative 3 * 2^-7 (vLLM "
+        "CPU builds for CPUs without AVX512-BF16 truncate: residual_out 1 ulp, output up to 3 "
+        "ulps), which is the compare rule."),
     axes=_AXES,
     inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
             "residual": Tensor(("batch_size", "hidden_size"), "{dtype}"),
@@ -152,7 +157,7 @@ FUSED_ADD_RMSNORM = Template(
                                     "hidden_states + residual, the next layer's residual")},
     reference="fused_add_rmsnorm.py",
     generate=_generate_fused_add,
-    compare={"output": _ULPS2, "residual_out": _ULPS2},
+    compare={"output": _SPREAD, "residual_out": _SPREAD},
     params={"dtype": "bfloat16", "rounding": "twice"},
     choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("vllm",),
