@@ -94,7 +94,11 @@ def test_paged_decode_matches_gathered_dense_float64_attention() -> None:
     axes = {"batch_size": 5, "len_indptr": 6, "num_pages": 30, "num_kv_indices": 16}
     inputs, run = _paged("float32", 8, axes, seed=8)
     output, lse = run(**inputs)
+    assert inputs["kv_indptr"][1] == inputs["kv_indptr"][2]  # request 1 has no pages
     for b in range(5):
+        if inputs["kv_indptr"][b] == inputs["kv_indptr"][b + 1]:
+            assert not output[b].any() and bool((lse[b] == float("-inf")).all())
+            continue
         k, v = (_tokens(inputs[c], inputs, b, 8) for c in ("k_cache", "v_cache"))
         expected, expected_lse = _dense64(inputs["q"][b:b + 1], k, v, inputs["sm_scale"], 2)
         torch.testing.assert_close(output[b].double(), expected[0], atol=2e-6, rtol=1e-5)

@@ -112,6 +112,18 @@ def _sparse_mla_inputs(definition: Definition, axes: Mapping[str, int],
             "sparse_indices": indices, "sm_scale": (128 + kpe) ** -0.5}
 
 
+def _indexer_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    tokens, keys = ((24, 64), (1, 40), (9, 9), (30, 120))[index % 4]
+    return {"num_tokens": tokens, "num_keys": keys}
+
+
+def _sparse_mla_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Enough pages for topk distinct rows (the constraint), then more."""
+    base = -(-consts["topk"] // consts["page_size"])
+    tokens, pages = ((12, 6 * base), (1, base), (5, 2 * base), (20, 3 * base))[index % 4]
+    return {"num_tokens": tokens, "num_pages": pages}
+
+
 INDEXER_TOPK = Template(
     family="dsa_indexer_topk",
     op_type="dsa_indexer",
@@ -155,6 +167,7 @@ INDEXER_TOPK = Template(
     engines=("transformers",),
     example={"index_n_heads": 8, "index_head_dim": 64, "index_topk": 16},
     example_axes={"num_tokens": 24, "num_keys": 64},
+    workload_axes=_indexer_axes,
 )
 
 SPARSE_MLA = Template(
@@ -207,4 +220,5 @@ SPARSE_MLA = Template(
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "topk": 32,
              "page_size": 4},
     example_axes={"num_tokens": 12, "num_pages": 24},
+    workload_axes=_sparse_mla_axes,
 )

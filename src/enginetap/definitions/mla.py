@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.attention import paged_layout, random_input
+from enginetap.definitions.attention import (
+    PAGED_CONTRACT,
+    paged_axes,
+    paged_layout,
+    random_input,
+)
 from enginetap.definitions.base import Template, Tensor, const, var
 
 if TYPE_CHECKING:
@@ -40,7 +45,7 @@ MLA_PAGED_DECODE = Template(
         "Absorbed MLA decode (one query per request) over a paged latent cache: logits = "
         "sm_scale * (q_nope.ckv + q_pe.kpe), output = softmax(logits) @ ckv, lse in base 2. "
         "Request b reads pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the last one holding "
-        "kv_last_page_len[b] tokens. vLLM CPU: CPUMLAImpl.forward_mqa "
+        "kv_last_page_len[b] tokens." + PAGED_CONTRACT + " vLLM CPU: CPUMLAImpl.forward_mqa "
         "(v1/attention/backends/mla/cpu_mla.py) -> ops.mla_decode_kvcache_cpu(out, q, kv_cache, "
         "scale, block_tables, seq_lens): q[..., :head_dim_ckv] -> q_nope, q[..., head_dim_ckv:] -> "
         "q_pe, kv_cache[..., :head_dim_ckv] -> ckv_cache, kv_cache[..., head_dim_ckv:] -> "
@@ -74,4 +79,5 @@ MLA_PAGED_DECODE = Template(
     engines=("vllm",),
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},
     example_axes={"batch_size": 3, "len_indptr": 4, "num_pages": 12, "num_kv_indices": 7},
+    workload_axes=paged_axes,
 )

@@ -111,6 +111,10 @@ ROUTER_OUTPUTS = {
     "topk_ids": Tensor(("num_tokens", "top_k"), "int32", "Chosen expert ids (canonical order)."),
 }
 
+def _token_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    return {"num_tokens": (16, 1, 7, 33)[index % 4]}
+
+
 TOPK_SOFTMAX = Template(
     family="moe_topk_softmax",
     op_type="moe_router",
@@ -141,6 +145,7 @@ TOPK_SOFTMAX = Template(
     engines=("vllm", "transformers"),
     example={"num_experts": 8, "top_k": 2},
     example_axes={"num_tokens": 16},
+    workload_axes=_token_axes,
 )
 
 TOPK_GROUPED_SIGMOID = Template(
@@ -182,8 +187,12 @@ TOPK_GROUPED_SIGMOID = Template(
                  "topk_group <= n_group", "top_k <= topk_group * (num_experts // n_group)"),
     tags=("stage:moe_router",),
     engines=("vllm", "transformers"),
-    example={"num_experts": 8, "top_k": 2, "n_group": 4, "topk_group": 2},
+    # Four experts per group (with two, "sum of the two best" is the group's sum) and a
+    # routed scaling factor that shows where it is applied.
+    example={"num_experts": 16, "top_k": 3, "n_group": 4, "topk_group": 2,
+             "routed_scaling_factor": 2.5},
     example_axes={"num_tokens": 16},
+    workload_axes=_token_axes,
 )
 
 EXPERTS_SWIGLU = Template(
@@ -229,4 +238,5 @@ EXPERTS_SWIGLU = Template(
     example={"num_experts": 8, "hidden_size": 128, "intermediate_size": 64,
              "gemm1_out_size": 128, "top_k": 2},
     example_axes={"num_tokens": 16},
+    workload_axes=_token_axes,
 )

@@ -93,6 +93,20 @@ def _generate_prefill(definition: Definition, axes: Mapping[str, int], gen: torc
     }
 
 
+def _decode_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Pages enough for a full row of distinct slots in each scope, then more."""
+    ps = consts["page_size"]
+    base8, base4 = -(-consts["topk8"] // ps), -(-consts["topk4"] // ps)
+    batch, extra8, extra4 = ((3, 1, 1), (1, 0, 0), (5, base8, base4 + 1), (2, 2, 0))[index % 4]
+    return {"batch": batch, "num_pages8": base8 + extra8, "num_pages4": base4 + extra4}
+
+
+def _prefill_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    base = -(-consts["topk"] // consts["page_size"])
+    tokens, pages = ((6, base + 3), (1, base), (13, 3 * base), (4, base + 1))[index % 4]
+    return {"num_tokens": tokens, "num_pages": pages}
+
+
 _MLA_AXES = {
     "num_heads": const("query heads"),
     "ckv_dim": const("latent (compressed KV) width"),
@@ -150,6 +164,7 @@ MLA_DECODE_FP8_FP4_SINK = Template(
     example={"num_heads": 4, "ckv_dim": 128, "kpe_dim": 32, "page_size": 8, "ckv_tiles": 2,
              "ckv_packed": 64, "ckv_groups": 4, "topk8": 16, "topk4": 12},
     example_axes={"batch": 3, "num_pages8": 6, "num_pages4": 5},
+    workload_axes=_decode_axes,
 )
 
 SPARSE_MLA_PREFILL_SINK = Template(
@@ -185,4 +200,5 @@ SPARSE_MLA_PREFILL_SINK = Template(
     tags=("seed-only", "attention_sink"),
     example={"num_heads": 4, "ckv_dim": 64, "kpe_dim": 16, "page_size": 4, "topk": 8},
     example_axes={"num_tokens": 6, "num_pages": 5},
+    workload_axes=_prefill_axes,
 )

@@ -51,6 +51,11 @@ def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Genera
     }
 
 
+def _axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Row counts vary; len_indptr follows num_experts, whatever it is set to."""
+    return {"total_m": (24, 1, 50, 7)[index % 4], "len_indptr": consts["num_experts"] + 1}
+
+
 MOE_GROUPED_GEMM_FP8_FP4 = Template(
     family=FAMILY,
     op_type="grouped_gemm",
@@ -88,4 +93,5 @@ MOE_GROUPED_GEMM_FP8_FP4 = Template(
     example={"num_experts": 4, "n": 48, "k": 256, "k_blocks": 2, "k_packed": 128,
              "k_groups": 8},
     example_axes={"total_m": 24, "len_indptr": 5},
+    workload_axes=_axes,
 )

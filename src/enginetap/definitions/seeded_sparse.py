@@ -105,6 +105,18 @@ def _generate_decode(definition: Definition, axes: Mapping[str, int], gen: torch
     }
 
 
+def _topk_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    tokens, pages, max_pages = ((7, 10, 4), (1, 3, 3), (12, 20, 6), (3, 5, 5))[index % 4]
+    return {"num_tokens": tokens, "num_pages": pages, "max_pages": max_pages}
+
+
+def _decode_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Per-KV-head selections and the seed's shared selection (sel_heads == 1) in turn."""
+    batch, pages, max_pages = ((3, 12, 4), (2, 8, 4), (1, 4, 4), (5, 20, 4))[index % 4]
+    sel = consts["num_kv_heads"] if index % 2 == 0 else 1
+    return {"batch": batch, "num_pages": pages, "max_pages": max_pages, "sel_heads": sel}
+
+
 COMPRESSED_SPARSE_TOPK = Template(
     family=TOPK,
     op_type="sparse_index",
@@ -146,8 +158,10 @@ COMPRESSED_SPARSE_TOPK = Template(
     compare={"block_ids": CompareRule(kind="selection", scores="scores")},
     params={"relu": True},
     tags=("seed-only",),
-    example={"num_heads": 4, "head_dim": 32, "page_size": 4, "block_size": 4, "topk": 6},
+    # page_size != block_size: one counts compressed keys per page, the other tokens per key.
+    example={"num_heads": 4, "head_dim": 32, "page_size": 8, "block_size": 4, "topk": 6},
     example_axes={"num_tokens": 7, "num_pages": 10, "max_pages": 4},
+    workload_axes=_topk_axes,
 )
 
 SPARSE_GQA_PAGED_DECODE = Template(
@@ -193,4 +207,5 @@ SPARSE_GQA_PAGED_DECODE = Template(
     example={"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 32, "page_size": 8,
              "block_size": 4, "topk": 5},
     example_axes={"batch": 3, "num_pages": 12, "max_pages": 4, "sel_heads": 2},
+    workload_axes=_decode_axes,
 )
