@@ -18,9 +18,15 @@ from enginetap.definitions.base import Template, Tensor, const, var
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["MLA_DECODE_FP8_FP4_SINK", "SPARSE_MLA_PREFILL_SINK"]
+
 DECODE = "mla_decode_fp8_fp4_sink"
 PREFILL = "sparse_mla_prefill_sink"
 
+_ROWS = ("Valid slots of a row must be distinct (a repeated slot is refused: a gather kernel "
+         "would attend it twice, a mask kernel once). A row's output depends only on the "
+         "slots it attends: padding and ignored entries are never read, so non-finite values "
+         "elsewhere in the cache (NaN codes, a reserved padding slot) cannot reach it. ")
 _SINK = ("The sink adds exp(attn_sink[h]) to the softmax denominator and nothing to the "
          "numerator (-inf disables it). lse is the base-2 log-sum-exp of the attended scaled "
          "logits, sink excluded (-inf, with a zero output, when nothing is attended).")
@@ -128,7 +134,9 @@ MLA_DECODE_FP8_FP4_SINK = Template(
         "(bf16). FP4 scope: latent = e2m1 codes of ckv4_cache (int8 bytes, element 2i in the "
         "low nibble, 2i+1 in the high one) * 2**(b-127) per 32 elements, b the unsigned E8M0 "
         "byte of ckv4_scale; rope = kpe4_cache (bf16). logits = sm_scale * (q_nope.latent + "
-        "q_pe.rope), values = latent, softmax over both scopes' slots. " + _SINK),
+        "q_pe.rope), values = latent, softmax over both scopes' slots. Dequantised latents "
+        "stay float32: they are not rounded to bf16 before the dot products or as values; "
+        "everything is float32 until the output is cast to bf16. " + _ROWS + _SINK),
     axes={
         "batch": var("decoding sequences"),
         "num_pages8": var("pages of the FP8 cache"),
@@ -175,8 +183,8 @@ SPARSE_MLA_PREFILL_SINK = Template(
     description=(
         "Sparse MLA prefill: token t attends the slots sparse_indices[t, j] (page * page_size "
         "+ offset into the bf16 ckv/kpe caches) for j < topk_lens[t] that are not -1; later "
-        "entries are ignored. logits = sm_scale * (q_nope.ckv + q_pe.kpe), values = ckv. "
-        + _SINK),
+        "entries are ignored. logits = sm_scale * (q_nope.ckv + q_pe.kpe), values = ckv, in "
+        "float32. " + _ROWS + _SINK),
     axes={
         "num_tokens": var("query tokens of the batch"),
         "num_pages": var("pages of the latent cache"),

@@ -17,6 +17,8 @@ from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["COMPRESSED_SPARSE_TOPK", "SPARSE_GQA_PAGED_DECODE"]
+
 TOPK = "compressed_sparse_topk"
 DECODE = "sparse_gqa_paged_decode"
 
@@ -123,7 +125,10 @@ COMPRESSED_SPARSE_TOPK = Template(
     name="compressed_sparse_topk_h{num_heads}_d{head_dim}_c{block_size}_ps{page_size}"
          "_topk{topk}_relu{relu:d}",
     description=(
-        "Block-level sparse-attention indexer. The cache holds one compressed key per "
+        "Block-level sparse-attention indexer. The seed names this op by its block ids only; "
+        "the weighted-relu score below and the scores output are enginetap's own reading of "
+        "it (the DeepSeek lightning-indexer score applied to compressed keys), not the seed's "
+        "words. The cache holds one compressed key per "
         "complete block of block_size tokens; logical block b of token t is at "
         "kc_cache[page_table[t, b // page_size], b % page_size]. Token t sees blocks "
         "b < seq_lens[t] // block_size. score = sum_h weights[t,h] * f(q[t,h].key), f = relu "
@@ -174,7 +179,10 @@ SPARSE_GQA_PAGED_DECODE = Template(
         "tokens b*block_size .. (b+1)*block_size-1; token i of sequence s is at "
         "[page_table[s, i // page_size], i % page_size]. Query head h (KV head g = h // "
         "(num_qo_heads / num_kv_heads)) attends the tokens before seq_lens[s] of the blocks "
-        "block_ids[s, g] (block_ids[s, 0] when sel_heads == 1); -1 is padding. lse: base-2 "
+        "block_ids[s, g] (block_ids[s, 0] for every head when sel_heads == 1: the shared "
+        "selection of the seed); -1 is padding. The valid blocks of a selection must be "
+        "distinct (a repeated block is refused). A head's output depends only on the tokens "
+        "it attends (non-finite values elsewhere in the cache never reach it). lse: base-2 "
         "log-sum-exp of the scaled logits (-inf, with a zero output, when nothing is attended)."),
     axes={
         "batch": var("decoding sequences"),
