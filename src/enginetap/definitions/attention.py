@@ -195,8 +195,8 @@ GQA_PAGED_DECODE = Template(
     description=(
         "GQA decode (one query per request) over an NHD paged cache [num_pages, page_size, "
         "num_kv_heads, head_dim]; request b reads pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], "
-        "the last one holding kv_last_page_len[b] tokens. lse = log2 sum exp(logits)." + PAGED_CONTRACT +
-        " vLLM CPU: "
+        "the last one holding kv_last_page_len[b] tokens. lse = log2 sum exp(logits)."
+        + PAGED_CONTRACT + " vLLM CPU: "
         "CPUAttentionBackendImpl.forward on decode steps: block_table rows -> kv_indices, seq_lens "
         "-> kv_indptr / kv_last_page_len, block_size -> page_size, self.scale -> sm_scale; its "
         "cache is ISA-packed, so pages are rebuilt from the keys/values of do_kv_cache_update. "

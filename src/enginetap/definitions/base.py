@@ -165,8 +165,7 @@ class Template:
     def _split_values(self, values: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, Any]]:
         unknown = sorted(set(values) - set(self.const_axes) - set(self.params))
         missing = sorted(set(self.const_axes) - set(values))
-        bad = sorted(k for k in self.const_axes if k in values
-                     and (not isinstance(values[k], int) or isinstance(values[k], bool) or values[k] <= 0))
+        bad = sorted(k for k in self.const_axes if k in values and not _positive_int(values[k]))
         problems = [f"missing const axes {missing}"] * bool(missing)
         problems += [f"unknown names {unknown}"] * bool(unknown)
         problems += [f"const axes {bad} must be positive integers"] * bool(bad)
@@ -197,7 +196,8 @@ class Template:
 
     def reference_source(self, consts: Mapping[str, int], params: Mapping[str, Any]) -> str:
         body = importlib.resources.files("enginetap.definitions.refs").joinpath(self.reference)
-        header = [f"# Reference for enginetap family {self.family!r}. Constants of this definition:"]
+        header = [f"# Reference for enginetap family {self.family!r}. "
+                  "Constants of this definition:"]
         header += [f"{k} = {v!r}" for k, v in {**consts, **params}.items()]
         return "\n".join(header) + "\n\n" + body.read_text()
 
@@ -208,6 +208,10 @@ class Template:
 
         gen = torch.Generator(device=device).manual_seed(seed)
         return self.generate(definition, axes, gen, device)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _finite(value: Any) -> bool:
