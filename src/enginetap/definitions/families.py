@@ -6,28 +6,26 @@ itself on import, so importing a family module has no effect beyond defining it.
 
 from __future__ import annotations
 
-from enginetap.definitions import (
-    attention,
-    dsa,
-    gdn,
-    mla,
-    moe,
-    norms,
-    router_v4,
-    seeded_mla,
-    seeded_moe,
-    seeded_sparse,
-)
+from enginetap.definitions.attention import GQA_PAGED_DECODE, GQA_RAGGED_PREFILL
+from enginetap.definitions.dsa import INDEXER_TOPK, SPARSE_MLA
+from enginetap.definitions.gdn import GDN_DECODE, GDN_PREFILL
+from enginetap.definitions.mla import MLA_PAGED_DECODE
+from enginetap.definitions.moe import EXPERTS_SWIGLU, TOPK_GROUPED_SIGMOID, TOPK_SOFTMAX
+from enginetap.definitions.norms import FUSED_ADD_RMSNORM, RMSNORM
+from enginetap.definitions.router_v4 import TOPK_SQRTSOFTPLUS, TOPK_SQRTSOFTPLUS_HASH
+from enginetap.definitions.seeded_mla import MLA_DECODE_FP8_FP4_SINK, SPARSE_MLA_PREFILL_SINK
+from enginetap.definitions.seeded_moe import MOE_GROUPED_GEMM_FP8_FP4
+from enginetap.definitions.seeded_sparse import COMPRESSED_SPARSE_TOPK, SPARSE_GQA_PAGED_DECODE
 from enginetap.definitions.base import Template
 
 __all__ = ["FAMILIES", "SEED_ONLY"]
 
 SEED_ONLY: tuple[Template, ...] = (
-    seeded_moe.MOE_GROUPED_GEMM_FP8_FP4,
-    seeded_mla.MLA_DECODE_FP8_FP4_SINK,
-    seeded_mla.SPARSE_MLA_PREFILL_SINK,
-    seeded_sparse.COMPRESSED_SPARSE_TOPK,
-    seeded_sparse.SPARSE_GQA_PAGED_DECODE,
+    MOE_GROUPED_GEMM_FP8_FP4,
+    MLA_DECODE_FP8_FP4_SINK,
+    SPARSE_MLA_PREFILL_SINK,
+    COMPRESSED_SPARSE_TOPK,
+    SPARSE_GQA_PAGED_DECODE,
 )
 """Families of operators users capture from SGLang (DeepSeek, Qwen) that no engine here runs:
 enginetap offers their definitions, references and synthetic workloads without a capture
@@ -37,20 +35,20 @@ high nibble, scaled per 32 elements by an E8M0 byte ``b`` (held in int8, read un
 meaning ``2 ** (b - 127)``."""
 
 FAMILIES: tuple[Template, ...] = (
-    norms.RMSNORM,
-    norms.FUSED_ADD_RMSNORM,
-    attention.GQA_RAGGED_PREFILL,
-    attention.GQA_PAGED_DECODE,
-    mla.MLA_PAGED_DECODE,
-    dsa.INDEXER_TOPK,
-    dsa.SPARSE_MLA,
-    gdn.GDN_PREFILL,
-    gdn.GDN_DECODE,
-    moe.TOPK_SOFTMAX,
-    moe.TOPK_GROUPED_SIGMOID,
-    router_v4.TOPK_SQRTSOFTPLUS,
-    router_v4.TOPK_SQRTSOFTPLUS_HASH,
-    moe.EXPERTS_SWIGLU,
+    RMSNORM,
+    FUSED_ADD_RMSNORM,
+    GQA_RAGGED_PREFILL,
+    GQA_PAGED_DECODE,
+    MLA_PAGED_DECODE,
+    INDEXER_TOPK,
+    SPARSE_MLA,
+    GDN_PREFILL,
+    GDN_DECODE,
+    TOPK_SOFTMAX,
+    TOPK_GROUPED_SIGMOID,
+    TOPK_SQRTSOFTPLUS,
+    TOPK_SQRTSOFTPLUS_HASH,
+    EXPERTS_SWIGLU,
     *SEED_ONLY,
 )
 """Every family, in the order `enginetap definitions list` documents them."""

@@ -9,6 +9,7 @@ from functools import cache
 
 from enginetap.dataset.schema import Definition
 from enginetap.definitions.base import Template, family_of, params_of
+from enginetap.definitions.families import FAMILIES
 from enginetap.errors import DefinitionError
 
 __all__ = ["get_template", "known_template", "templates"]
@@ -16,8 +17,6 @@ __all__ = ["get_template", "known_template", "templates"]
 
 @cache
 def _registry() -> dict[str, Template]:
-    from enginetap.definitions.families import FAMILIES
-
     registry: dict[str, Template] = {}
     for template in FAMILIES:
         if template.family in registry:
