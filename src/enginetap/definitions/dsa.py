@@ -76,6 +76,8 @@ def _indexer_inputs(definition: Definition, axes: Mapping[str, int],
     # would otherwise be common.
     q = torch.randn(n, heads, dim, generator=gen, device=device) + 0.7
     k = torch.randn(keys, dim, generator=gen, device=device) + 0.7
+    if keys > 2:
+        k[2] = k[1]  # rows 1 and 2 score equally for every token: the lower row must win
     # Signed head weights carrying the n_heads^-0.5 and head_dim^-0.5 factors, as engines
     # pass them to the scoring kernel.
     w = torch.randn(n, heads, generator=gen, device=device) * (heads * dim) ** -0.5

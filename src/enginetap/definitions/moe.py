@@ -68,7 +68,9 @@ def _grouped_router_inputs(definition: Definition, axes: Mapping[str, int],
     n, e, k = axes["num_tokens"], consts["num_experts"], consts["top_k"]
     dtype = _dtype(definition, "router_logits")
     logits = torch.randn(n, e, generator=gen, device=device, dtype=torch.float64) * 1.5
-    bias = (torch.rand(e, generator=gen, device=device, dtype=torch.float64) - 0.5) * 0.2
+    # Experts 2j and 2j+1 share a bias, so that equal logits tie exactly (see below).
+    bias = (torch.rand((e + 1) // 2, generator=gen, device=device, dtype=torch.float64) - 0.5)
+    bias = bias.repeat_interleave(2)[:e] * 0.2
     if k < e:
         # Every third row: the first expert outside the (ungrouped) top-k gets a biased
         # score 1e-4 below the last one inside, through its logit.
@@ -79,6 +81,11 @@ def _grouped_router_inputs(definition: Definition, axes: Mapping[str, int],
         ok = (target > 1e-3) & (target < 1 - 1e-3)
         rows, target = rows[ok], target[ok]
         logits[rows, outside[rows]] = torch.log(target / (1 - target))
+        # Every third row from the third: the k-th expert's partner gets its logit, an exact
+        # tie of biased scores (the lower expert id wins; groups tie the same way).
+        rows = torch.arange(2, max(n, 2), 3, device=device)
+        partner = torch.minimum(inside[rows] ^ 1, torch.tensor(e - 1, device=device))
+        logits[rows, partner] = logits[rows, inside[rows]]
     return {"router_logits": logits.to(dtype), "e_score_correction_bias": bias.float()}
 
 
