@@ -181,3 +181,17 @@ def test_paged_decode_matches_vllm_cpu_attention() -> None:
     engine = cache.attend(inputs["q"], torch.arange(5, dtype=torch.int32), seq_lens,
                           inputs["sm_scale"])
     torch.testing.assert_close(run(**inputs)[0], engine, atol=ENGINE_ATOL, rtol=ENGINE_RTOL)
+
+
+@pytest.mark.parametrize("family", ["gqa_paged_decode", "mla_paged_decode"])
+def test_last_page_length_outside_one_to_page_size_is_refused(family: str) -> None:
+    template = get_template(family)
+    definition = template.example_definition()
+    axes = template.axes_for(definition.const_axes, 0)
+    inputs = template.synthetic_inputs(definition, axes, seed=2)
+    run = compile_reference(definition.reference, definition.name)
+    for bad in (0, definition.const_axes["page_size"] + 1):
+        inputs["kv_last_page_len"] = inputs["kv_last_page_len"].clone()
+        inputs["kv_last_page_len"][0] = bad
+        with pytest.raises(ValueError, match="kv_last_page_len"):
+            run(**inputs)
