@@ -95,7 +95,7 @@ def synth(
             failed += 1
             err.print(f"error: {template.family}: {exc}", markup=False, highlight=False)
             continue
-        except (OSError, MemoryError, RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the CLI boundary: one line per family
             # Not ours (a full disk, an allocation): one line, and the other families still run.
             failed += 1
             err.print(f"error: {template.family}: {type(exc).__name__}: {exc}",
