@@ -112,8 +112,9 @@ RMSNORM = Template(
         "Root-mean-square norm of each row: x / sqrt(mean(x^2) + eps) * weight, the mean "
         "taken in float32. " + _INPUT_MAP + ". transformers: LlamaRMSNorm.forward("
         "hidden_states) (also Qwen3/DeepSeek-V3 norms) with self.weight, "
-        "self.variance_epsilon. Gemma-style norms that scale by (1 + w) map with weight = "
-        "1 + w only under rounding 'once' (they multiply in float32)." + _ROUNDING_DOC),
+        "self.variance_epsilon. Gemma-style norms (scale by 1 + w, multiplied in float32 and "
+        "rounded once) are not this family: weight = 1 + w rounded to dtype loses what their "
+        "float32 1 + w keeps." + _ROUNDING_DOC),
     axes=_AXES,
     inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
             "weight": Tensor(("hidden_size",), "{dtype}"),
