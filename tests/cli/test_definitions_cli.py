@@ -39,7 +39,8 @@ def test_show_prints_the_definition_with_overrides(monkeypatch: pytest.MonkeyPat
                         "--set", "dtype=float16")
     assert code == 0
     data = json.loads(out)
-    assert data["name"] == "rmsnorm_h256" and data["axes"]["hidden_size"]["value"] == 256
+    assert data["name"] == "rmsnorm_h256_float16_round_twice"
+    assert data["axes"]["hidden_size"]["value"] == 256
     assert data["inputs"]["hidden_states"]["dtype"] == "float16"
     assert "hidden_size = 256" in data["reference"]
 
@@ -65,14 +66,90 @@ def test_synth_writes_replayable_workloads(tmp_path: Path, monkeypatch: pytest.M
                         "--family", "fused_add_rmsnorm", "--workloads", "3", "--seed", "7",
                         "--set", "hidden_size=64")
     assert code == 0
-    assert "rmsnorm: wrote rmsnorm_h64 with 3 workload(s)" in out
+    assert "rmsnorm: wrote rmsnorm_h64_bfloat16_round_twice with 3 workload(s)" in out
     dataset = Dataset(root)
-    assert sorted(dataset.definitions()) == ["fused_add_rmsnorm_h64", "rmsnorm_h64"]
-    lines = dataset.workloads("rmsnorm_h64")
+    assert sorted(dataset.definitions()) == ["fused_add_rmsnorm_h64_bfloat16_round_twice",
+                                             "rmsnorm_h64_bfloat16_round_twice"]
+    lines = dataset.workloads("rmsnorm_h64_bfloat16_round_twice")
     assert [line.enginetap.receipt.seed for line in lines] == [7, 8, 9]
     assert {line.enginetap.receipt.source for line in lines} == {"synthetic:rmsnorm"}
     first, second = (dataset.load_inputs(line)["hidden_states"] for line in lines[:2])
-    assert not first.equal(second)  # each workload has its own seed
+    assert first.shape != second.shape  # workloads vary their token counts, not only values
     assert validate_dataset(root) == []
     report = replay_dataset(root, warmup=0, repeats=0)
     assert report.ok and report.counts["PASS"] == 3 + 6  # rmsnorm 1 output, fused 2 outputs
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("dtype=evil", "dtype='evil' is not one of"),
+    ("dtype=float4_e2m1", "dtype='float4_e2m1' is not one of"),
+    ("rounding=thrice", "rounding='thrice' is not one of"),
+    ("hidden_size=0", "must be positive integers"),
+    ("hidden_size=1000000000000", "budget"),
+])
+def test_synth_refuses_bad_set_values_one_line_each(tmp_path: Path, setting: str, message: str,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ds"
+    code, out, err = _cli(monkeypatch, capsys, "synth", str(root), "--family", "rmsnorm",
+                          "--family", "fused_add_rmsnorm", "--set", setting)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(lines) == 2 and all(message in " ".join(err.split()) for _ in lines)
+    assert "Traceback" not in err
+    assert not list((root / "definitions").rglob("*.json"))  # nothing left behind
+
+
+def test_non_finite_float_params_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _cli(monkeypatch, capsys, "synth", str(tmp_path / "ds"), "--family",
+                        "moe_topk_grouped_sigmoid", "--set", "routed_scaling_factor=nan")
+    assert code == 1 and "is not a finite number" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("family", "setting"), [
+    ("sparse_gqa_paged_decode", "num_kv_heads=4"), ("sparse_gqa_paged_decode", "num_kv_heads=1"),
+    ("moe_grouped_gemm_fp8_fp4", "num_experts=3"),
+])
+def test_legal_const_axes_synthesize(tmp_path: Path, family: str, setting: str,
+                                     monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ds"
+    code, out, err = _cli(monkeypatch, capsys, "synth", str(root), "--family", family,
+                          "--set", setting, "--workloads", "2")
+    assert code == 0, err
+    assert validate_dataset(root) == []
+    assert replay_dataset(root, warmup=0, repeats=0).ok
+
+
+def test_a_failing_family_leaves_nothing_and_the_others_still_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ds"
+    # num_qo_heads=3 breaks no const-only rule of its own but num_kv_heads=2 must divide it.
+    code, out, err = _cli(monkeypatch, capsys, "synth", str(root), "--family",
+                          "gqa_paged_decode", "--family", "rmsnorm", "--set", "num_qo_heads=3")
+    assert code == 1
+    assert "error: gqa_paged_decode:" in err and "error: rmsnorm:" in err  # unknown name
+    code, out, err = _cli(monkeypatch, capsys, "synth", str(root), "--family",
+                          "gqa_paged_decode", "--family", "rmsnorm")
+    assert code == 0 and "rmsnorm: wrote" in out
+
+
+def test_a_write_that_fails_midway_removes_the_definition(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ds"
+    Dataset(root, create=True)
+    name = "rmsnorm_h128_bfloat16_round_twice"
+    # A file where the definition's blob directory must go: the definition is written,
+    # then its first workload fails.
+    (root / "blob" / "workloads" / "rmsnorm").mkdir(parents=True)
+    (root / "blob" / "workloads" / "rmsnorm" / name).write_text("in the way")
+    code, out, err = _cli(monkeypatch, capsys, "synth", str(root), "--family", "rmsnorm",
+                          "--family", "gqa_paged_decode")
+    assert code == 1 and "error: rmsnorm:" in err and "Traceback" not in err
+    assert "gqa_paged_decode: wrote" in out
+    assert name not in Dataset(root).definitions()
+    assert not (root / "definitions" / "rmsnorm" / f"{name}.json").exists()
+    (root / "blob" / "workloads" / "rmsnorm" / name).unlink()  # the obstacle we planted
+    assert validate_dataset(root) == []

@@ -22,7 +22,7 @@ def test_demo_runs_engine_writes_validates_and_replays(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
     assert "5. replay ok" in result.stdout and "req-prefix" in result.stdout
     names = set(Dataset(out / "dataset").definitions())
-    assert {"rmsnorm_h128", "gqa_paged_decode_h4_kv2_d32_ps16"} <= names
+    assert {"rmsnorm_h128_bfloat16_round_twice", "gqa_paged_decode_h4_kv2_d32_ps16_bfloat16"} <= names
     assert any(n.startswith("moe_grouped_gemm_fp8_fp4") for n in names)
     assert validate_dataset(out / "dataset") == []
     # A second run replaces only its own earlier output.

@@ -13,6 +13,13 @@ from enginetap.definitions.attention import split_lengths
 
 HEADS = {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 32}
 
+# bf16 outputs of vLLM CPU kernels, on every kernel path (test_cpu_paths.py runs these tests
+# on the AVX2 and AVX-512F paths too): AMX and vector kernels sum in float32 in their own
+# order, and the AVX2/AVX-512F builds convert to bf16 by truncation (up to 1 ulp, i.e. 2**-7
+# of the value, below where the AMX build rounds). 1e-2 absolute covers the summation order
+# near zero; 3 * 2**-7 relative covers a truncation on top of our own rounding (2**-8).
+ENGINE_ATOL, ENGINE_RTOL = 1e-2, 3 * 2.0 ** -7
+
 
 def _dense64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
              kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +101,11 @@ def test_paged_decode_matches_gathered_dense_float64_attention() -> None:
     axes = {"batch_size": 5, "len_indptr": 6, "num_pages": 30, "num_kv_indices": 16}
     inputs, run = _paged("float32", 8, axes, seed=8)
     output, lse = run(**inputs)
+    assert inputs["kv_indptr"][1] == inputs["kv_indptr"][2]  # request 1 has no pages
     for b in range(5):
+        if inputs["kv_indptr"][b] == inputs["kv_indptr"][b + 1]:
+            assert not output[b].any() and bool((lse[b] == float("-inf")).all())
+            continue
         k, v = (_tokens(inputs[c], inputs, b, 8) for c in ("k_cache", "v_cache"))
         expected, expected_lse = _dense64(inputs["q"][b:b + 1], k, v, inputs["sm_scale"], 2)
         torch.testing.assert_close(output[b].double(), expected[0], atol=2e-6, rtol=1e-5)
@@ -156,7 +167,7 @@ def test_ragged_prefill_matches_vllm_cpu_attention() -> None:
     cache = _VllmCache(ops, [(inputs["k"][a:b], inputs["v"][a:b]) for a, b in zip(kv, kv[1:])], 32)
     engine = cache.attend(inputs["q"], inputs["qo_indptr"], inputs["kv_indptr"].diff().int(),
                           inputs["sm_scale"])
-    torch.testing.assert_close(run(**inputs)[0], engine, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(run(**inputs)[0], engine, atol=ENGINE_ATOL, rtol=ENGINE_RTOL)
 
 
 def test_paged_decode_matches_vllm_cpu_attention() -> None:
@@ -169,4 +180,18 @@ def test_paged_decode_matches_vllm_cpu_attention() -> None:
     seq_lens = torch.tensor([len(k) for k, _ in kv], dtype=torch.int32)
     engine = cache.attend(inputs["q"], torch.arange(5, dtype=torch.int32), seq_lens,
                           inputs["sm_scale"])
-    torch.testing.assert_close(run(**inputs)[0], engine, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(run(**inputs)[0], engine, atol=ENGINE_ATOL, rtol=ENGINE_RTOL)
+
+
+@pytest.mark.parametrize("family", ["gqa_paged_decode", "mla_paged_decode"])
+def test_last_page_length_outside_one_to_page_size_is_refused(family: str) -> None:
+    template = get_template(family)
+    definition = template.example_definition()
+    axes = template.axes_for(definition.const_axes, 0)
+    inputs = template.synthetic_inputs(definition, axes, seed=2)
+    run = compile_reference(definition.reference, definition.name)
+    for bad in (0, definition.const_axes["page_size"] + 1):
+        inputs["kv_last_page_len"] = inputs["kv_last_page_len"].clone()
+        inputs["kv_last_page_len"][0] = bad
+        with pytest.raises(ValueError, match="kv_last_page_len"):
+            run(**inputs)

@@ -6,18 +6,20 @@ import json
 
 import pytest
 
-from enginetap.definitions.base import known_template
+from enginetap.definitions import known_template
 from enginetap.definitions.catalog import definitions_for_config, definitions_for_model
 from enginetap.errors import DefinitionError
 from enginetap.models import model_config
 
 EXPECTED = {
-    "llama": {"rmsnorm_h128", "fused_add_rmsnorm_h128", "gqa_ragged_prefill_causal_h4_kv2_d32",
-              "gqa_paged_decode_h4_kv2_d32_ps16"},
-    "qwen3_next": {"gqa_ragged_prefill_causal_h4_kv2_d64", "gdn_prefill_qk2_v4_d64",
-                   "gdn_decode_qk2_v4_d64", "moe_topk_softmax_e8_topk2_norm1_bfloat16",
+    "llama": {"rmsnorm_h128_bfloat16_round_twice", "fused_add_rmsnorm_h128_bfloat16_round_twice",
+              "gqa_ragged_prefill_causal_h4_kv2_d32_bfloat16",
+              "gqa_paged_decode_h4_kv2_d32_ps16_bfloat16"},
+    "qwen3_next": {"gqa_ragged_prefill_causal_h4_kv2_d64_bfloat16",
+                   "gdn_prefill_qk2_v4_d64_bfloat16", "gdn_decode_qk2_v4_d64_bfloat16",
+                   "moe_topk_softmax_e8_topk2_norm1_bfloat16",
                    "moe_experts_swiglu_e8_h128_i64_topk2"},
-    "deepseek_v3": {"mla_paged_decode_h4_ckv512_kpe64_ps16",
+    "deepseek_v3": {"mla_paged_decode_h4_ckv512_kpe64_ps16_bfloat16",
                     "moe_topk_grouped_sigmoid_e8_topk2_ng4_kg2_norm1_rs1_float32"},
     "deepseek_v32": {"dsa_indexer_topk_h4_d128_topk16",
                      "dsa_sparse_attention_h4_ckv512_kpe64_topk16_ps16"},

@@ -13,7 +13,8 @@ import torch
 
 from enginetap.dataset.dtypes import torch_dtype
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import compile_reference, known_template, templates
+from enginetap.definitions import compile_reference, known_template, templates
+from enginetap.errors import DefinitionError
 
 FAMILIES = sorted(templates())
 
@@ -53,3 +54,49 @@ def test_family_contract(family: str) -> None:
         assert out.dtype == torch_dtype(spec.dtype), name
         if out.is_floating_point():
             assert not out.isnan().any(), f"{name} has NaN"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_name_determines_every_param(family: str) -> None:
+    """Two instances that differ in any const axis or param get different names."""
+    template = templates()[family]
+    base = template.example_definition().name
+    for key, default in template.params.items():
+        allowed = template.choices.get(key) or (
+            (not default,) if isinstance(default, bool) else (default * 2 + 1,))
+        for value in allowed:
+            if value != default:
+                changed = template.instantiate(**{**template.example, key: value})
+                assert changed.name != base, (key, value)
+
+
+def _alternatives(value: int) -> list[int]:
+    return sorted({1, 2, 3, 4, value + 1, value * 2} - {value})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_legal_const_axis_value_synthesizes(family: str) -> None:
+    """Each const axis, moved alone to other values: instantiate refuses it (a constraint
+    says why) or it synthesizes workloads whose reference runs."""
+    template = templates()[family]
+    tried = 0
+    for axis in template.const_axes:
+        for value in _alternatives(template.example[axis]):
+            try:
+                definition = template.instantiate(**{**template.example, axis: value})
+            except DefinitionError:
+                continue
+            run = compile_reference(definition.reference, definition.name)
+            for index in range(2):
+                axes = template.axes_for(definition.const_axes, index)
+                run(**template.synthetic_inputs(definition, axes, seed=index))
+            tried += 1
+    assert tried > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_workloads_vary_their_var_axes(family: str) -> None:
+    template = templates()[family]
+    consts = template.example_definition().const_axes
+    shapes = {tuple(sorted(template.axes_for(consts, i).items())) for i in range(4)}
+    assert len(shapes) > 1

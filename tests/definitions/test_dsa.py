@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from enginetap.definitions.base import compile_reference, get_template
+from enginetap.definitions import compile_reference, get_template
 
 
 def reference(family: str, **values):

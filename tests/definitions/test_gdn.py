@@ -15,6 +15,8 @@ HEADS = {"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64}
 GROUP = HEADS["num_v_heads"] // HEADS["num_qk_heads"]
 # Around the 64-token chunk: longer, shorter, exactly one chunk, a single token.
 LENGTHS = [70, 5, 130, 64, 1]
+# bf16 outputs of vLLM CPU kernels on every kernel path: see ENGINE_RTOL in test_attention.py.
+ENGINE_RTOL = 3 * 2.0 ** -7
 
 
 def _case(family: str, dtype: str, axes: dict[str, int], seed: int):
@@ -123,7 +125,7 @@ def test_prefill_matches_vllm_cpu_chunk_kernel() -> None:
         inputs["q"][None], inputs["k"][None], inputs["v"][None], engine_g, engine_beta, pool, True,
         inputs["cu_seqlens"], False, True, slots)
     output, final_state = run(**inputs)
-    torch.testing.assert_close(output, engine[0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(output, engine[0], atol=1e-2, rtol=ENGINE_RTOL)
     rule = get_template("gdn_prefill").rule("final_state")  # what replay will apply
     torch.testing.assert_close(final_state, pool[slots.long()], atol=rule.atol, rtol=rule.rtol)
 
@@ -139,7 +141,7 @@ def test_decode_matches_vllm_cpu_fused_kernel() -> None:
         a_log, dt_bias, inputs["q"][None], inputs["k"][None], inputs["v"][None], a, b, pool, slots,
         torch.arange(5, dtype=torch.int32), True)
     output, new_state = run(**inputs)
-    torch.testing.assert_close(output, engine[:, 0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(output, engine[:, 0], atol=1e-2, rtol=ENGINE_RTOL)
     rule = get_template("gdn_decode").rule("new_state")  # what replay will apply
     torch.testing.assert_close(new_state, pool[slots.long()], atol=rule.atol, rtol=rule.rtol)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginetap.definitions.base import compile_reference, get_template, known_template
+from enginetap.definitions import compile_reference, get_template, known_template
 
 
 def reference(family: str, **values):
@@ -182,7 +182,9 @@ def test_grouped_router_matches_vllm_cpu(renormalize, scale):
         v_weights, v_ids = cpu_router._grouped_topk(
             inputs["router_logits"], 4, renormalize, 4, 2, "sigmoid", scale,
             inputs["e_score_correction_bias"])
-        assert_same_routing(v_ids, v_weights, ids, weights)
+        # Exact ties (by construction) may go either way in vLLM's torch.topk.
+        biased = torch.sigmoid(inputs["router_logits"].float()) + inputs["e_score_correction_bias"]
+        assert_same_routing(v_ids, v_weights, ids, weights, scores=biased)
 
 
 def test_grouped_router_matches_transformers_deepseek_v3():
@@ -271,3 +273,61 @@ def test_experts_match_transformers_experts():
                          inputs["topk_weights"])
     # transformers rounds to bf16 after every op, so agreement is to a few bf16 steps.
     torch.testing.assert_close(theirs.float(), run(**inputs).float(), atol=3e-2, rtol=3e-2)
+
+
+# --- DeepSeek-V4 routers (sqrt(softplus) scores) -----------------------------------------
+
+def _v4_router():
+    cpu_router = pytest.importorskip("vllm.model_executor.layers.fused_moe.router.cpu_router")
+    if not hasattr(torch.ops._C, "biased_topk_cpu"):
+        # The SGLang-derived kernels behind it exist only in vLLM's AVX-512 builds.
+        pytest.skip("this vLLM CPU build has no biased_topk_cpu (AVX2 path)")
+    return cpu_router._sqrtsoftplus_bias_topk
+
+
+def test_sqrtsoftplus_router_by_its_formula_and_tie_order():
+    defn, run = reference("moe_topk_sqrtsoftplus", num_experts=8, top_k=2,
+                          routed_scaling_factor=2.0)
+    logits = torch.tensor([[0.5, 0.5, -1.0, 2.0, 0.0, -3.0, 1.0, 0.25]])
+    bias = torch.tensor([0.0, 0.0, 0.5, -0.5, 0.1, 0.0, -0.2, 0.0])
+    weights, ids = run(logits, bias)
+    score = F.softplus(logits.double()).sqrt()
+    biased = (score + bias.double())[0].tolist()
+    # Experts 0 and 1 tie for second place on the biased score; the lower id is kept.
+    assert biased[0] == biased[1]
+    order = sorted(range(8), key=lambda e: (-biased[e], e))[:2]
+    assert order == [2, 0]
+    want = score[0, order] / score[0, order].sum() * 2.0
+    want_w, want_ids = canonical(want[None], torch.tensor([order]))
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights.double(), want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_sqrtsoftplus_router_matches_vllm_cpu(scale):
+    router = _v4_router()
+    defn, run = reference("moe_topk_sqrtsoftplus", num_experts=256, top_k=8,
+                          routed_scaling_factor=scale)
+    template = get_template("moe_topk_sqrtsoftplus")
+    for index in range(3):
+        axes = template.axes_for(defn.const_axes, index)
+        inputs = template.synthetic_inputs(defn, axes, seed=40 + index)
+        weights, ids = run(**inputs)
+        theirs_w, theirs_ids = router(inputs["router_logits"], 8, True,
+                                      inputs["e_score_correction_bias"], scale, None, None)
+        biased = F.softplus(inputs["router_logits"].float()).sqrt() + \
+            inputs["e_score_correction_bias"]
+        assert_same_routing(theirs_ids, theirs_w, ids, weights, scores=biased)
+
+
+def test_hash_router_matches_vllm_cpu():
+    router = _v4_router()
+    defn, run = reference("moe_topk_sqrtsoftplus_hash", num_experts=256, top_k=8,
+                          routed_scaling_factor=1.5)
+    gen = torch.Generator().manual_seed(7)
+    table = torch.rand(100, 256, generator=gen).argsort(dim=-1)[:, :8].to(torch.int32)
+    input_ids = torch.randint(0, 100, (12,), generator=gen)
+    logits = torch.randn(12, 256, generator=gen) * 2
+    weights, ids = run(logits, table[input_ids])
+    theirs_w, theirs_ids = router(logits, 8, True, None, 1.5, input_ids, table)
+    assert_same_routing(theirs_ids, theirs_w, ids, weights)

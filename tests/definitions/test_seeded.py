@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import Template, compile_reference, get_template, known_template
-from enginetap.definitions.seeded import FAMILIES
+from enginetap.definitions import Template, compile_reference, get_template, known_template
+from enginetap.definitions.families import SEED_ONLY
 from enginetap.errors import DefinitionError
 
+FAMILIES = [t.family for t in SEED_ONLY]
 GEMM, MLA_DECODE, MLA_PREFILL, TOPK, GQA = FAMILIES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
           "int32": torch.int32, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -390,3 +391,47 @@ NONTRIVIAL = {
 def test_generator_exercises_scales_and_padding(family: str) -> None:
     _, _, inputs, run = _case(family, 0)
     assert NONTRIVIAL[family](inputs, run(**inputs))
+
+
+def test_seed_layout_adapter_gives_the_seed_gemm() -> None:
+    """The seed's layout (per-row expert ids, group-32 E8M0 activation scales), computed by
+    its own formula in float64, equals this family's reference on the adapted inputs."""
+    from enginetap.definitions.seeded_moe import seed_layout_to_indptr
+
+    template = get_template(GEMM)
+    definition = template.instantiate(**{**template.example, "k_blocks": 256 // 32})
+    gen = torch.Generator().manual_seed(5)
+    c = definition.const_axes
+    rows, experts = 19, c["num_experts"]
+    a = (torch.randn(rows, c["k"], generator=gen) * 4).to(torch.float8_e4m3fn)
+    a_e8m0 = torch.randint(122, 131, (rows, c["k"] // 32), generator=gen).to(torch.uint8)
+    ids = torch.randint(0, experts, (rows,), generator=gen)
+    w = torch.randint(-128, 128, (experts, c["n"], c["k_packed"]), generator=gen).to(torch.int8)
+    w_scale = torch.randint(124, 130, (experts, c["n"], c["k_groups"]),
+                            generator=gen).to(torch.uint8).view(torch.int8)
+    weights = [_e2m1((w[e].view(torch.uint8).long().unsqueeze(-1) >> torch.tensor([0, 4]))
+                     & 0xF).flatten(-2)
+               * torch.pow(2.0, (w_scale[e].view(torch.uint8).double() - 127)
+                           ).repeat_interleave(32, -1) for e in range(experts)]
+    x = a.double() * torch.pow(2.0, a_e8m0.double() - 127).repeat_interleave(32, -1)
+    seed_out = torch.stack([x[r] @ weights[int(ids[r])].T for r in range(rows)])
+    adapted = seed_layout_to_indptr(a, a_e8m0, ids, experts)
+    order = adapted.pop("order")
+    y = compile_reference(definition.reference)(**adapted, w=w, w_scale=w_scale)
+    _close(y, seed_out[order], rtol=8e-3, atol=1e-3 * float(seed_out.abs().max()))
+
+
+@pytest.mark.parametrize(("family", "name"), [("dsa_sparse_mla", "sparse_indices"),
+                                              (MLA_PREFILL, "sparse_indices"),
+                                              (MLA_DECODE, "indices8"), (GQA, "block_ids")])
+def test_a_slot_listed_twice_is_refused(family: str, name: str) -> None:
+    _, _, inputs, run = _case(family)
+    inputs[name] = inputs[name].clone()
+    row = inputs[name][-1].flatten()
+    first_valid = row[row >= 0][0]
+    row[-1] = first_valid  # the last entry of a row repeats its first valid one
+    inputs[name][-1] = row.view(inputs[name][-1].shape)
+    if family == MLA_PREFILL:
+        inputs["topk_lens"][-1] = inputs[name].shape[-1]
+    with pytest.raises(ValueError, match="twice"):
+        run(**inputs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from enginetap.dataset import Dataset
-from enginetap.definitions.base import get_template
+from enginetap.definitions.registry import get_template
 from enginetap.replay.synth import synthesize
 from tests.replay.replay_helpers import Built, foreign_definition, receipt
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,14 +37,15 @@ def test_bad_dataset_and_raising_candidate_report_lines_not_tracebacks(
     run = subprocess.run(
         [sys.executable, "-m", "enginetap.cli.main", "replay", str(built.root), "--repeats", "1",
          "--solution", f"{CANDIDATES}:raising", "--json", str(report)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "200"})  # rich wraps long lines at the terminal width
     output = run.stdout + run.stderr
     assert run.returncode == 1, output
     assert "Traceback" not in output
     lines = output.splitlines()
     assert any(line.startswith("PROBLEM ") and "malformed JSON" in line for line in lines)
     assert any(line.startswith("PROBLEM ") and "ghost_def" in line for line in lines)
-    assert any(line.startswith(f"ERROR rmsnorm_h128 workload {first.workload.uuid}: cannot load")
+    assert any(line.startswith(f"ERROR rmsnorm_h128_bfloat16_round_twice workload {first.workload.uuid}: cannot load")
                for line in lines)
     assert "candidate failed: ValueError: kernel not built for this shape" in output
     data = json.loads(report.read_text())
@@ -60,7 +62,7 @@ def test_clean_replay_exits_zero_and_writes_json(rmsnorm_dataset: Built, tmp_pat
                         "--repeats", "1", "--solution", f"{CANDIDATES}:correct",
                         "--json", str(report))
     assert code == 0, output
-    assert "ok: 4 PASS" in output and "rmsnorm_h128  PASS" in output
+    assert "ok: 4 PASS" in output and "rmsnorm_h128_bfloat16_round_twice  PASS" in output
     data = json.loads(report.read_text())
     assert data["counts"]["PASS"] == 4 and data["options"]["warmup"] == 0
     workload = data["definitions"][0]["workloads"][0]

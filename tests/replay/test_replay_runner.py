@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 
 from enginetap.definitions.base import compile_reference
+from enginetap.definitions.registry import get_template
 from enginetap.errors import ConfigError
 from enginetap.replay import replay_dataset
 from enginetap.replay.report import ReplayReport
@@ -30,7 +31,7 @@ def test_synthetic_dataset_replays_clean(rmsnorm_dataset: Built) -> None:
     report = replay_dataset(rmsnorm_dataset.root, warmup=1, repeats=2)
     assert report.ok and report.problems == []
     (result,) = report.definitions
-    assert result.name == "rmsnorm_h128" and result.reference == "enginetap"
+    assert result.name == "rmsnorm_h128_bfloat16_round_twice" and result.reference == "enginetap"
     assert [w.status for w in result.workloads] == ["PASS", "PASS"]
     engine = _checks(report, "engine")
     assert len(engine) == 2 and all(c.comparison.max_abs_error == 0.0 for c in engine)
@@ -56,7 +57,8 @@ def test_planted_wrong_engine_output_fails_with_its_numbers(rmsnorm_dataset: Bui
     moved = (planted.double() - good.double()).abs()
     assert comparison.max_abs_error == pytest.approx(float(moved.max()))
     assert comparison.matched == good.numel() - 2 and comparison.total == good.numel()
-    assert (comparison.atol, comparison.rtol) == (1e-2, 1e-2)  # bf16 defaults
+    rule = get_template("rmsnorm").rule("output")  # the family's documented engine spread
+    assert (comparison.atol, comparison.rtol) == (rule.atol, rule.rtol)
     assert comparison.reason == f"2 of {good.numel()} elements differ"
 
 
@@ -152,7 +154,7 @@ def test_bad_dataset_lines_are_problems_and_the_rest_still_replays(rmsnorm_datas
     blob.unlink()
     jsonl = next((built.root / "workloads").rglob("*.jsonl"))
     with jsonl.open("a") as f:
-        f.write('{"definition": "rmsnorm_h128", "workload": \n')
+        f.write('{"definition": "rmsnorm_h128_bfloat16_round_twice", "workload": \n')
     report = _replay(built)
     assert not report.ok
     assert any("malformed JSON" in p for p in report.problems)
@@ -199,7 +201,7 @@ def test_cuda_replay_poisons_and_times_on_the_device(rmsnorm_dataset: Built) -> 
 
 def test_router_ids_that_tie_on_their_logits_pass_and_others_fail(tmp_path: Path) -> None:
     from enginetap.dataset import Dataset
-    from enginetap.definitions.base import get_template
+    from enginetap.definitions.registry import get_template
 
     template = get_template("moe_topk_softmax")
     definition = template.example_definition()

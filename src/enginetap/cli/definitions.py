@@ -36,7 +36,7 @@ def _pairs(items: list[str] | None) -> dict[str, str]:
 @app.command("list")
 def list_families() -> None:
     """Every registered family: op type, the engines it describes, its example's name."""
-    from enginetap.definitions.base import templates
+    from enginetap.definitions.registry import templates
 
     table = Table()
     # Names are identifiers to copy: show them whole (folded), never cut with an ellipsis.
@@ -55,7 +55,7 @@ def list_families() -> None:
 def show(family: Annotated[str, typer.Argument(help="Family name (see `list`).")],
          set_: SetOption = None) -> None:
     """Print the family's definition JSON: its example, with --set overrides."""
-    from enginetap.definitions.base import get_template
+    from enginetap.definitions.registry import get_template
     from enginetap.replay.synth import coerce_values
 
     template = get_template(family)
@@ -74,9 +74,11 @@ def synth(
     seed: Annotated[int, typer.Option(help="Seed of the first workload (+1 per workload).")] = 0,
 ) -> None:
     """Write each family's definition and synthetic workloads (reference outputs as the
-    engine's) into DATASET. A family that fails is reported and the others still run."""
+    engine's) into DATASET. --set values are checked against each family (types, allowed
+    values, constraints, a size budget). A family that fails is reported in one line, leaves
+    nothing behind, and the others still run."""
     from enginetap.dataset import Dataset
-    from enginetap.definitions.base import get_template, templates
+    from enginetap.definitions.registry import get_template, templates
     from enginetap.replay.synth import coerce_values, synthesize
 
     if bool(family) == all_:
@@ -92,6 +94,12 @@ def synth(
         except EnginetapError as exc:
             failed += 1
             err.print(f"error: {template.family}: {exc}", markup=False, highlight=False)
+            continue
+        except Exception as exc:  # noqa: BLE001 - the CLI boundary: one line per family
+            # Not ours (a full disk, an allocation): one line, and the other families still run.
+            failed += 1
+            err.print(f"error: {template.family}: {type(exc).__name__}: {exc}",
+                      markup=False, highlight=False)
             continue
         out.print(f"{template.family}: wrote {definition.name} with {workloads} workload(s)",
                   markup=False, highlight=False)

@@ -107,15 +107,13 @@ def _steps_table(steps: list) -> Table:
 
 def _write_dataset(root: Path, model_dir: Path, workloads: int) -> Path:
     from enginetap.dataset import Dataset
-    from enginetap.definitions.base import family_of, get_template, params_of, templates
-    from enginetap.definitions.catalog import definitions_for_model
+    from enginetap.definitions.catalog import instances_for_model
+    from enginetap.definitions.registry import templates
     from enginetap.replay.synth import synthesize
 
     dataset = Dataset(root, create=True)
-    wanted = []
-    for definition in definitions_for_model(model_dir, engine="transformers"):
-        template = get_template(family_of(definition) or "")
-        wanted.append((template, {**definition.const_axes, **params_of(definition, template)}))
+    wanted = [(i.template, dict(i.values))
+              for i in instances_for_model(model_dir, engine="transformers")]
     # The seed-only families run on no engine here: their small examples show them too.
     wanted += [(t, dict(t.example)) for t in templates().values() if not t.engines]
     with console.status("writing synthetic workloads"):

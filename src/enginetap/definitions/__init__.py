@@ -1,13 +1,13 @@
-"""Operator definitions: families (templates) instantiated per model, with references."""
+"""Operator definitions: families (templates) instantiated per model, with references.
 
-from enginetap.definitions.base import (
-    CompareRule,
-    Template,
-    compile_reference,
-    get_template,
-    known_template,
-    templates,
-)
+The families are listed in :mod:`~enginetap.definitions.families`; look them up with
+:func:`templates` / :func:`get_template`; :func:`instances_for_config` says which a model
+runs, each with its template and constants.
+"""
 
-__all__ = ["CompareRule", "Template", "compile_reference", "get_template", "known_template",
-           "templates"]
+from enginetap.definitions.base import CompareRule, Template, compile_reference
+from enginetap.definitions.catalog import Instance, instances_for_config, instances_for_model
+from enginetap.definitions.registry import get_template, known_template, templates
+
+__all__ = ["CompareRule", "Instance", "Template", "compile_reference", "get_template",
+           "instances_for_config", "instances_for_model", "known_template", "templates"]

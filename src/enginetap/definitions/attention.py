@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import Template, Tensor, const, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from enginetap.dataset.schema import Definition
 
 __all__ = [
-    "GQA_PAGED_DECODE", "GQA_RAGGED_PREFILL", "indptr", "paged_layout", "random_input",
+    "GQA_PAGED_DECODE", "GQA_RAGGED_PREFILL", "PAGED_CONTRACT", "indptr", "paged_axes",
+    "paged_layout", "random_input",
     "split_lengths",
 ]
 
@@ -78,7 +79,7 @@ def paged_layout(axes: Mapping[str, int], page_size: int, gen: torch.Generator,
     """Random page tables: ``kv_indptr``, ``kv_indices`` (distinct, shuffled), ``kv_last_page_len``.
 
     Reads the var axes ``batch_size``, ``len_indptr``, ``num_pages`` and ``num_kv_indices``;
-    every request gets at least one page.
+    every request gets at least one page, except request 1 when there are 5 or more.
 
     Raises:
         DefinitionError: the axes do not describe a valid layout.
@@ -90,11 +91,30 @@ def paged_layout(axes: Mapping[str, int], page_size: int, gen: torch.Generator,
         raise DefinitionError(
             "inconsistent var axes", f"num_kv_indices={used} > num_pages={pages}",
             "give the cache at least as many pages as the requests use")
-    per_request = split_lengths(used, batch, gen, device)
+    if batch >= 5 and used >= batch - 1:
+        # A request without pages (its kv_last_page_len is ignored), legal and easy to get wrong.
+        per_request = split_lengths(used, batch - 1, gen, device)
+        per_request.insert(1, 0)
+    else:
+        per_request = split_lengths(used, batch, gen, device)
     last = torch.randint(1, page_size + 1, (batch,), generator=gen, device=device)
     chosen = torch.randperm(pages, generator=gen, device=device)[:used]
     return {"kv_indptr": indptr(per_request, device), "kv_indices": chosen.to(torch.int32),
             "kv_last_page_len": last.to(torch.int32)}
+
+
+def _ragged_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Prefix-cached prefill, a one-token request, a fresh prefill, many small requests."""
+    total_q, total_kv, requests = ((21, 45, 3), (1, 9, 1), (40, 40, 2), (7, 30, 5))[index % 4]
+    return {"total_q": total_q, "total_kv": total_kv, "len_indptr": requests + 1}
+
+
+def paged_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Var axes of paged decode workloads: one request, many (one without pages), all
+    pages in use."""
+    batch, pages, used = ((3, 12, 7), (1, 4, 1), (6, 20, 13), (2, 9, 9))[index % 4]
+    return {"batch_size": batch, "len_indptr": batch + 1, "num_pages": pages,
+            "num_kv_indices": used}
 
 
 def _generate_ragged(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
@@ -123,17 +143,24 @@ def _generate_paged(definition: Definition, axes: Mapping[str, int], gen: torch.
     return {**tensors, **layout, "sm_scale": consts["head_dim"] ** -0.5}
 
 
+PAGED_CONTRACT = (" kv_last_page_len[b] is in 1..page_size for a request with pages; a request "
+          "without pages (kv_indptr[b] == kv_indptr[b+1]) attends nothing: output 0, lse "
+          "-inf, its kv_last_page_len ignored. A row's output depends only on the tokens it "
+          "attends (values of keys it does not attend never reach it, even non-finite ones).")
+
 _HEADS = {"num_qo_heads": const("query heads (per rank)"),
           "num_kv_heads": const("key/value heads (per rank)"),
           "head_dim": const("head size")}
 
-GQA_RAGGED_PREFILL = register(Template(
+GQA_RAGGED_PREFILL = Template(
     family="gqa_ragged_prefill",
     op_type="gqa_ragged",
-    name="gqa_ragged_prefill_causal_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}",
+    name="gqa_ragged_prefill_causal_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_{dtype}",
     description=(
         "Causal GQA over packed requests; each request's queries are the last q_len positions "
-        "of its kv (kv_len >= q_len, so prefix-cached prefill fits). lse = log2 sum exp(logits). "
+        "of its kv (kv_len >= q_len, so prefix-cached prefill fits); query i of a request attends "
+        "keys j <= i + kv_len - q_len, and later keys' values never reach it (even "
+        "non-finite ones). lse = log2 sum exp(logits). "
         "vLLM CPU: CPUAttentionBackendImpl.forward (v1/attention/backends/cpu_attn.py): query -> "
         "q, attn_metadata.query_start_loc -> qo_indptr, seq_lens -> kv_indptr (prefix sums); k/v "
         "are each request's cached keys/values (the kernel packs its cache per ISA, so read them "
@@ -153,20 +180,23 @@ GQA_RAGGED_PREFILL = register(Template(
     reference="gqa_ragged_prefill.py",
     generate=_generate_ragged,
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("total_q <= total_kv", "num_qo_heads % num_kv_heads == 0"),
     engines=("transformers", "vllm"),
     example={"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 32},
     example_axes={"total_q": 21, "total_kv": 45, "len_indptr": 4},
-))
+    workload_axes=_ragged_axes,
+)
 
-GQA_PAGED_DECODE = register(Template(
+GQA_PAGED_DECODE = Template(
     family="gqa_paged_decode",
     op_type="gqa_paged",
-    name="gqa_paged_decode_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_ps{page_size}",
+    name="gqa_paged_decode_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_ps{page_size}_{dtype}",
     description=(
         "GQA decode (one query per request) over an NHD paged cache [num_pages, page_size, "
         "num_kv_heads, head_dim]; request b reads pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], "
-        "the last one holding kv_last_page_len[b] tokens. lse = log2 sum exp(logits). vLLM CPU: "
+        "the last one holding kv_last_page_len[b] tokens. lse = log2 sum exp(logits)."
+        + PAGED_CONTRACT + " vLLM CPU: "
         "CPUAttentionBackendImpl.forward on decode steps: block_table rows -> kv_indices, seq_lens "
         "-> kv_indptr / kv_last_page_len, block_size -> page_size, self.scale -> sm_scale; its "
         "cache is ISA-packed, so pages are rebuilt from the keys/values of do_kv_cache_update. "
@@ -186,8 +216,10 @@ GQA_PAGED_DECODE = register(Template(
     reference="gqa_paged_decode.py",
     generate=_generate_paged,
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("len_indptr == batch_size + 1", "num_qo_heads % num_kv_heads == 0"),
     engines=("transformers", "vllm"),
     example={"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 32, "page_size": 16},
     example_axes={"batch_size": 3, "len_indptr": 4, "num_pages": 12, "num_kv_indices": 7},
-))
+    workload_axes=paged_axes,
+)

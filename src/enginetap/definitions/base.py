@@ -7,27 +7,30 @@ counts, hidden size, ...) and returns a FlashInfer-Trace :class:`Definition` who
 ``reference`` is self-contained source: a header assigning every const axis and parameter
 as a module constant, followed by the family's reference file, which defines ``run``.
 
-enginetap trusts only source it generates itself: :func:`known_template` regenerates a
+enginetap trusts only source it generates itself: ``registry.known_template`` regenerates a
 definition from its family tag and const axes and says whether the stored reference is
-byte-identical to ours.
+byte-identical to ours. Which families exist is an explicit list in
+:mod:`enginetap.definitions.families`; this module knows none of them.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from enginetap.dataset.schema import AxisConst, AxisVar, Definition, TensorSpec
+from enginetap.definitions.constraints import broken_constraints
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Axis", "CompareRule", "Template", "Tensor", "compile_reference", "const", "get_template",
-    "known_template", "register", "templates", "var",
+    "Axis", "CompareRule", "Template", "Tensor", "compile_reference", "const", "family_of",
+    "params_of", "var",
 ]
 
 FAMILY_TAG = "enginetap:family="
@@ -80,6 +83,8 @@ class CompareRule:
 
 
 Generator = Callable[[Definition, Mapping[str, int], "torch.Generator", str], dict[str, Any]]
+AxesOf = Callable[[Mapping[str, int], int], dict[str, int]]
+"""Var axes of synthetic workload ``i`` of an instance, from its const axes."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class Template:
     compare: Mapping[str, CompareRule] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)
     """Non-axis parameters with defaults (dtypes, algorithm switches), also header constants."""
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Allowed values of params that take one of a few (dtypes, variants); others are refused."""
     constraints: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
     engines: tuple[str, ...] = ()
@@ -109,6 +116,10 @@ class Template:
     """Const axes (and params) of a small, valid instance: docs, demo and tests use it."""
     example_axes: Mapping[str, int] = field(default_factory=dict)
     """Var-axis values of a small synthetic workload of :attr:`example`."""
+    workload_axes: AxesOf | None = None
+    """Var axes of synthetic workload ``i`` for given const axes (they vary with ``i``, so a
+    dataset's workloads differ in shape, not only in values); ``None``: always
+    :attr:`example_axes`."""
 
     @property
     def const_axes(self) -> list[str]:
@@ -120,6 +131,12 @@ class Template:
 
     def rule(self, output: str) -> CompareRule:
         return self.compare.get(output, CompareRule())
+
+    def axes_for(self, consts: Mapping[str, int], index: int = 0) -> dict[str, int]:
+        """Var axes of synthetic workload ``index`` of the instance with const axes ``consts``."""
+        if self.workload_axes is None:
+            return dict(self.example_axes)
+        return self.workload_axes(consts, index)
 
     def instantiate(self, **values: Any) -> Definition:
         """Bind const axes (and optionally params) and return the Definition.
@@ -148,11 +165,19 @@ class Template:
     def _split_values(self, values: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, Any]]:
         unknown = sorted(set(values) - set(self.const_axes) - set(self.params))
         missing = sorted(set(self.const_axes) - set(values))
-        bad = sorted(k for k in self.const_axes if k in values
-                     and (not isinstance(values[k], int) or isinstance(values[k], bool) or values[k] <= 0))
+        bad = sorted(k for k in self.const_axes if k in values and not _positive_int(values[k]))
         problems = [f"missing const axes {missing}"] * bool(missing)
         problems += [f"unknown names {unknown}"] * bool(unknown)
         problems += [f"const axes {bad} must be positive integers"] * bool(bad)
+        problems += [f"{k}={values[k]!r} is not one of {list(allowed)}"
+                     for k, allowed in self.choices.items() if k in values
+                     and values[k] not in allowed]
+        problems += [f"{k}={values[k]!r} is not a finite number" for k, d in self.params.items()
+                     if isinstance(d, float) and k in values and not _finite(values[k])]
+        if not problems:
+            consts = {k: values[k] for k in self.const_axes}
+            problems += [f"the const axes break {rule!r}"
+                         for rule in broken_constraints(self.constraints, consts)]
         if problems:
             raise DefinitionError(
                 f"cannot instantiate {self.family!r}", "; ".join(problems),
@@ -171,7 +196,8 @@ class Template:
 
     def reference_source(self, consts: Mapping[str, int], params: Mapping[str, Any]) -> str:
         body = importlib.resources.files("enginetap.definitions.refs").joinpath(self.reference)
-        header = [f"# Reference for enginetap family {self.family!r}. Constants of this definition:"]
+        header = [f"# Reference for enginetap family {self.family!r}. "
+                  "Constants of this definition:"]
         header += [f"{k} = {v!r}" for k, v in {**consts, **params}.items()]
         return "\n".join(header) + "\n\n" + body.read_text()
 
@@ -184,6 +210,17 @@ class Template:
         return self.generate(definition, axes, gen, device)
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _as_type_of(default: Any, value: Any) -> Any:
     if isinstance(default, bool) or default is None or isinstance(value, type(default)):
         return value
@@ -193,36 +230,6 @@ def _as_type_of(default: Any, value: Any) -> Any:
         raise DefinitionError(f"parameter value {value!r} is not a {type(default).__name__}",
                               fix=f"pass a {type(default).__name__} like the default {default!r}"
                               ) from None
-
-
-_REGISTRY: dict[str, Template] = {}
-
-
-def register(template: Template) -> Template:
-    if template.family in _REGISTRY:
-        raise DefinitionError(f"family {template.family!r} registered twice")
-    _REGISTRY[template.family] = template
-    return template
-
-
-def _load_families() -> None:
-    # Importing the family modules registers their templates.
-    from enginetap.definitions import families  # noqa: F401
-
-
-def templates() -> dict[str, Template]:
-    _load_families()
-    return dict(_REGISTRY)
-
-
-def get_template(family: str) -> Template:
-    _load_families()
-    try:
-        return _REGISTRY[family]
-    except KeyError:
-        raise DefinitionError(f"unknown definition family {family!r}",
-                              f"known families: {sorted(_REGISTRY)}",
-                              "use `enginetap definitions list` to see them") from None
 
 
 def family_of(definition: Definition) -> str | None:
@@ -241,22 +248,6 @@ def params_of(definition: Definition, template: Template) -> dict[str, Any]:
                 default = template.params[key]
                 out[key] = type(default)(raw) if not isinstance(default, bool) else raw == "True"
     return out
-
-
-def known_template(definition: Definition) -> Template | None:
-    """The template that generated ``definition`` byte for byte, or None if it is foreign."""
-    family = family_of(definition)
-    _load_families()
-    template = _REGISTRY.get(family or "")
-    if template is None:
-        return None
-    try:
-        ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
-    except (DefinitionError, ValueError, KeyError):
-        return None
-    same = (ours.reference == definition.reference and ours.name == definition.name
-            and ours.inputs == definition.inputs and ours.outputs == definition.outputs)
-    return template if same else None
 
 
 def compile_reference(source: str, name: str = "<reference>") -> Callable[..., Any]:

@@ -1,8 +1,10 @@
 """Which definitions a model runs: families instantiated from a Hugging Face config.
 
-``definitions_for_config(config)`` reads the model's own dimensions (heads, head sizes,
-experts, latent ranks, linear-attention heads) and returns the definitions its layers
-need, named as FlashInfer names them (``gqa_paged_decode_h4_kv2_d32_ps16``, ...).
+``instances_for_config(config)`` reads the model's own dimensions (heads, head sizes,
+experts, latent ranks, linear-attention heads) and returns what its layers need, each as an
+:class:`Instance`: the family's template, the constants it was bound with, and the
+definition (named as FlashInfer names them, ``gqa_paged_decode_h4_kv2_d32_ps16``, ...).
+``definitions_for_config`` returns just the definitions.
 
 Engines disagree on where some constants act: vLLM builds DeepSeek's router with a
 routed scaling factor of 1 and scales the combined expert output instead, while
@@ -14,16 +16,50 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import get_template
+from enginetap.definitions.base import Template
+from enginetap.definitions.registry import get_template
 from enginetap.errors import DefinitionError
 
-__all__ = ["definitions_for_config", "definitions_for_model"]
+__all__ = ["Instance", "definitions_for_config", "definitions_for_model", "instances_for_config",
+           "instances_for_model"]
 
 Engine = Literal["transformers", "vllm"]
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One family bound to a model: ``template.instantiate(**values) == definition``."""
+
+    template: Template
+    values: Mapping[str, Any]
+    """The const axes and params the definition was instantiated with."""
+    definition: Definition
+
+
+def instances_for_model(model_dir: str | Path, *, engine: Engine = "vllm",
+                        page_size: int = 16) -> list[Instance]:
+    """:func:`definitions_for_model` with each definition's template and constants."""
+    return instances_for_config(_read_config(Path(model_dir)), engine=engine,
+                                page_size=page_size)
+
+
+def instances_for_config(config: Mapping[str, Any], *, engine: Engine = "vllm",
+                         page_size: int = 16) -> list[Instance]:
+    """:func:`definitions_for_config` with each definition's template and constants.
+
+    Raises:
+        DefinitionError: a field the model's layers need is missing from the config.
+    """
+    out = []
+    for family, values in _wanted(_Config(config), engine, page_size):
+        template = get_template(family)
+        out.append(Instance(template, dict(values), template.instantiate(**values)))
+    return out
 
 
 def definitions_for_model(model_dir: str | Path, *, engine: Engine = "vllm",
@@ -33,13 +69,21 @@ def definitions_for_model(model_dir: str | Path, *, engine: Engine = "vllm",
     Raises:
         DefinitionError: no readable config.json, or the config lacks a needed field.
     """
-    path = Path(model_dir) / "config.json"
+    return definitions_for_config(_read_config(Path(model_dir)), engine=engine,
+                                  page_size=page_size)
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DefinitionError(f"cannot read {path}", str(exc),
                               "point at a model directory holding a valid config.json") from None
-    return definitions_for_config(config, engine=engine, page_size=page_size)
+    if not isinstance(config, dict):
+        raise DefinitionError(f"cannot read {path}", "it holds no JSON object",
+                              "point at a model directory holding a valid config.json")
+    return config
 
 
 def definitions_for_config(config: Mapping[str, Any], *, engine: Engine = "vllm",
@@ -49,14 +93,25 @@ def definitions_for_config(config: Mapping[str, Any], *, engine: Engine = "vllm"
     Raises:
         DefinitionError: a field the model's layers need is missing from the config.
     """
-    cfg = _Config(config)
-    wanted: list[tuple[str, dict[str, Any]]] = []
-    hidden = cfg.get("hidden_size")
-    wanted += [("rmsnorm", {"hidden_size": hidden}), ("fused_add_rmsnorm", {"hidden_size": hidden})]
+    return [i.definition for i in instances_for_config(config, engine=engine,
+                                                        page_size=page_size)]
+
+
+def _wanted(cfg: _Config, engine: Engine, page_size: int) -> list[tuple[str, dict[str, Any]]]:
+    dtype = _dtype(cfg)
+    wanted = [("rmsnorm", {"hidden_size": cfg.get("hidden_size")})]
+    wanted += [("fused_add_rmsnorm", wanted[0][1])]
     wanted += _attention(cfg, page_size)
     wanted += _linear_attention(cfg)
-    wanted += _moe(cfg, engine)
-    return [get_template(family).instantiate(**values) for family, values in wanted]
+    # Families whose activation dtype is a parameter take the model's own.
+    return [(family, {**values, "dtype": dtype} if "dtype" in get_template(family).params
+             else values) for family, values in wanted] + _moe(cfg, engine)
+
+
+def _dtype(cfg: _Config) -> str:
+    """The activation dtype the model runs in (its config's torch_dtype/dtype, else bf16)."""
+    raw = cfg.raw.get("dtype") or cfg.raw.get("torch_dtype") or "bfloat16"
+    return raw if raw in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
 class _Config:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ def _indexer_inputs(definition: Definition, axes: Mapping[str, int],
     # would otherwise be common.
     q = torch.randn(n, heads, dim, generator=gen, device=device) + 0.7
     k = torch.randn(keys, dim, generator=gen, device=device) + 0.7
+    if keys > 2:
+        k[2] = k[1]  # rows 1 and 2 score equally for every token: the lower row must win
     # Signed head weights carrying the n_heads^-0.5 and head_dim^-0.5 factors, as engines
     # pass them to the scoring kernel.
     w = torch.randn(n, heads, generator=gen, device=device) * (heads * dim) ** -0.5
@@ -112,7 +114,19 @@ def _sparse_mla_inputs(definition: Definition, axes: Mapping[str, int],
             "sparse_indices": indices, "sm_scale": (128 + kpe) ** -0.5}
 
 
-INDEXER_TOPK = register(Template(
+def _indexer_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    tokens, keys = ((24, 64), (1, 40), (9, 9), (30, 120))[index % 4]
+    return {"num_tokens": tokens, "num_keys": keys}
+
+
+def _sparse_mla_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Enough pages for topk distinct rows (the constraint), then more."""
+    base = -(-consts["topk"] // consts["page_size"])
+    tokens, pages = ((12, 6 * base), (1, base), (5, 2 * base), (20, 3 * base))[index % 4]
+    return {"num_tokens": tokens, "num_pages": pages}
+
+
+INDEXER_TOPK = Template(
     family="dsa_indexer_topk",
     op_type="dsa_indexer",
     name="dsa_indexer_topk_h{index_n_heads}_d{index_head_dim}_topk{index_topk}",
@@ -155,9 +169,10 @@ INDEXER_TOPK = register(Template(
     engines=("transformers",),
     example={"index_n_heads": 8, "index_head_dim": 64, "index_topk": 16},
     example_axes={"num_tokens": 24, "num_keys": 64},
-))
+    workload_axes=_indexer_axes,
+)
 
-SPARSE_MLA = register(Template(
+SPARSE_MLA = Template(
     family="dsa_sparse_mla",
     op_type="dsa_attention",
     name="dsa_sparse_attention_h{num_qo_heads}_ckv{head_dim_ckv}_kpe{head_dim_kpe}"
@@ -166,10 +181,13 @@ SPARSE_MLA = register(Template(
         "DeepSeek-V3.2 sparse MLA in the absorbed (latent) form, the semantics of "
         "FlashInfer-Trace's dsa_sparse_attention definitions: for token t, the keys are "
         "the cache rows named by sparse_indices[t] (row = page * page_size + offset; -1 = "
-        "padding, anywhere in the row; valid rows distinct), logits = sm_scale * (q_nope . "
+        "padding, anywhere in the row; valid rows distinct, a repeated row is refused), "
+        "logits = sm_scale * (q_nope . "
         "ckv + q_pe . kpe), output = softmax(logits) @ ckv in float32 cast to bf16, lse = "
         "log2-sum-exp of the logits. A token without any valid index outputs zeros and "
-        "lse -inf. Causality comes only from the indices. Engine mapping: FlashMLA "
+        "lse -inf. A token's output depends only on the rows it names (padding reads nothing, so "
+        "non-finite values elsewhere in the cache cannot reach it). Causality comes only from "
+        "the indices. Engine mapping: FlashMLA "
         "`flash_mla_sparse_fwd` (kv = cat(ckv, kpe), h_kv = 1) and FlashInfer's TRT-LLM "
         "MLA with sparse_mla_top_k; transformers' eager path is the same attention over a "
         "dense mask built from the indexer's choices."),
@@ -207,4 +225,5 @@ SPARSE_MLA = register(Template(
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "topk": 32,
              "page_size": 4},
     example_axes={"num_tokens": 12, "num_pages": 24},
-))
+    workload_axes=_sparse_mla_axes,
+)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.definitions.attention import indptr, random_input, split_lengths
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -74,6 +74,16 @@ def _generate_decode(definition: Definition, axes: Mapping[str, int], gen: torch
             "state": _state((batch, heads, size, size), gen, device), "scale": size ** -0.5}
 
 
+def _prefill_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Several sequences, one token, a sequence across a 64-token chunk, many short ones."""
+    tokens, seqs = ((90, 3), (1, 1), (130, 2), (5, 5))[index % 4]
+    return {"total_seq_len": tokens, "len_cu_seqlens": seqs + 1, "num_seqs": seqs}
+
+
+def _decode_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    return {"batch_size": (3, 1, 8, 2)[index % 4]}
+
+
 _HEADS = {"num_qk_heads": const("query/key heads (per rank)"),
           "num_v_heads": const("value heads (per rank), a multiple of num_qk_heads"),
           "head_size": const("key and value head size")}
@@ -85,14 +95,16 @@ _CONSTRAINTS = ("num_v_heads % num_qk_heads == 0",)
 # in tests/definitions/test_gdn.py), so the float32 default (1e-5) would fail every capture.
 _STATE_RULE = CompareRule("float", atol=1e-2, rtol=1e-2)
 
-GDN_PREFILL = register(Template(
+GDN_PREFILL = Template(
     family="gdn_prefill",
     op_type="gdn",
-    name="gdn_prefill_qk{num_qk_heads}_v{num_v_heads}_d{head_size}",
+    name="gdn_prefill_qk{num_qk_heads}_v{num_v_heads}_d{head_size}_{dtype}",
     description=(
         "Gated delta rule over packed sequences (cu_seqlens), each from its own initial state: "
         "per value head, S = exp(g) S; S += k (beta (v - k^T S))^T; o = scale q^T S with q, k "
-        "L2-normalised. Reference: chunked form, 64 tokens a chunk. vLLM CPU "
+        "L2-normalised as x * rsqrt(sum(x^2) + 1e-6) (transformers' eps; vLLM CPU's chunk "
+        "kernel takes 1e-5, far below bf16 rounding for unit-scale rows). Reference: chunked "
+        "form, 64 tokens a chunk. vLLM CPU "
         "(model_executor/layers/mamba/ops/cpu/gdn_attention.py): ops.chunk_gated_delta_rule_cpu("
         "query, key, value, g, beta, initial_state, output_final_state, cu_seqlens, head_first, "
         "use_qk_l2norm_in_kernel, initial_state_indices): query/key/value[0] -> q/k/v, g[0] -> g, "
@@ -120,19 +132,22 @@ GDN_PREFILL = register(Template(
     generate=_generate_prefill,
     compare={"final_state": _STATE_RULE},
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("len_cu_seqlens == num_seqs + 1", *_CONSTRAINTS),
     engines=("transformers", "vllm"),
     example={"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64},
     example_axes={"total_seq_len": 90, "len_cu_seqlens": 4, "num_seqs": 3},
-))
+    workload_axes=_prefill_axes,
+)
 
-GDN_DECODE = register(Template(
+GDN_DECODE = Template(
     family="gdn_decode",
     op_type="gdn",
-    name="gdn_decode_qk{num_qk_heads}_v{num_v_heads}_d{head_size}",
+    name="gdn_decode_qk{num_qk_heads}_v{num_v_heads}_d{head_size}_{dtype}",
     description=(
         "One gated-delta-rule step per sequence: per value head, S' = exp(g) S + k (beta (v - "
-        "k^T exp(g) S))^T, output = scale q^T S' with q, k L2-normalised. vLLM CPU: "
+        "k^T exp(g) S))^T, output = scale q^T S' with q, k L2-normalised as x * rsqrt(sum(x^2) "
+        "+ 1e-6). vLLM CPU: "
         "ops.fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, "
         "initial_state_source, initial_state_indices, cu_seqlens, use_qk_l2norm_in_kernel): "
         "q/k/v[0] -> q/k/v, g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) in "
@@ -158,8 +173,10 @@ GDN_DECODE = register(Template(
     generate=_generate_decode,
     compare={"new_state": _STATE_RULE},
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=_CONSTRAINTS,
     engines=("transformers", "vllm"),
     example={"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64},
     example_axes={"batch_size": 3},
-))
+    workload_axes=_decode_axes,
+)

@@ -9,8 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.attention import paged_layout, random_input
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.attention import (
+    PAGED_CONTRACT,
+    paged_axes,
+    paged_layout,
+    random_input,
+)
+from enginetap.definitions.base import Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
@@ -31,15 +36,16 @@ def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Genera
     return {**tensors, **layout, "sm_scale": scale}
 
 
-MLA_PAGED_DECODE = register(Template(
+MLA_PAGED_DECODE = Template(
     family="mla_paged_decode",
     op_type="mla_paged",
-    name="mla_paged_decode_h{num_qo_heads}_ckv{head_dim_ckv}_kpe{head_dim_kpe}_ps{page_size}",
+    name="mla_paged_decode_h{num_qo_heads}_ckv{head_dim_ckv}_kpe{head_dim_kpe}_ps{page_size}"
+         "_{dtype}",
     description=(
         "Absorbed MLA decode (one query per request) over a paged latent cache: logits = "
         "sm_scale * (q_nope.ckv + q_pe.kpe), output = softmax(logits) @ ckv, lse in base 2. "
         "Request b reads pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the last one holding "
-        "kv_last_page_len[b] tokens. vLLM CPU: CPUMLAImpl.forward_mqa "
+        "kv_last_page_len[b] tokens." + PAGED_CONTRACT + " vLLM CPU: CPUMLAImpl.forward_mqa "
         "(v1/attention/backends/mla/cpu_mla.py) -> ops.mla_decode_kvcache_cpu(out, q, kv_cache, "
         "scale, block_tables, seq_lens): q[..., :head_dim_ckv] -> q_nope, q[..., head_dim_ckv:] -> "
         "q_pe, kv_cache[..., :head_dim_ckv] -> ckv_cache, kv_cache[..., head_dim_ckv:] -> "
@@ -68,8 +74,10 @@ MLA_PAGED_DECODE = register(Template(
     reference="mla_paged_decode.py",
     generate=_generate,
     params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
     constraints=("len_indptr == batch_size + 1",),
     engines=("vllm",),
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},
     example_axes={"batch_size": 3, "len_indptr": 4, "num_pages": 12, "num_kv_indices": 7},
-))
+    workload_axes=paged_axes,
+)

@@ -12,14 +12,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXPERTS_SWIGLU", "TOPK_GROUPED_SIGMOID", "TOPK_SOFTMAX"]
+__all__ = ["EXPERTS_SWIGLU", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
+           "TOPK_SOFTMAX"]
 
-_ORDER = ("Rows are in canonical order: descending weight, ties by ascending expert id; "
+ROUTER_ORDER = ("Rows are in canonical order: descending weight, ties by ascending expert id; "
           "selection ties (equal scores) go to the lower expert id. Replay compares "
           "topk_ids as sets and topk_weights after sorting the engine's (id, weight) pairs "
           "of each row into the same order.")
@@ -67,7 +68,9 @@ def _grouped_router_inputs(definition: Definition, axes: Mapping[str, int],
     n, e, k = axes["num_tokens"], consts["num_experts"], consts["top_k"]
     dtype = _dtype(definition, "router_logits")
     logits = torch.randn(n, e, generator=gen, device=device, dtype=torch.float64) * 1.5
-    bias = (torch.rand(e, generator=gen, device=device, dtype=torch.float64) - 0.5) * 0.2
+    # Experts 2j and 2j+1 share a bias, so that equal logits tie exactly (see below).
+    bias = (torch.rand((e + 1) // 2, generator=gen, device=device, dtype=torch.float64) - 0.5)
+    bias = bias.repeat_interleave(2)[:e] * 0.2
     if k < e:
         # Every third row: the first expert outside the (ungrouped) top-k gets a biased
         # score 1e-4 below the last one inside, through its logit.
@@ -78,6 +81,11 @@ def _grouped_router_inputs(definition: Definition, axes: Mapping[str, int],
         ok = (target > 1e-3) & (target < 1 - 1e-3)
         rows, target = rows[ok], target[ok]
         logits[rows, outside[rows]] = torch.log(target / (1 - target))
+        # Every third row from the third: the k-th expert's partner gets its logit, an exact
+        # tie of biased scores (the lower expert id wins; groups tie the same way).
+        rows = torch.arange(2, max(n, 2), 3, device=device)
+        partner = torch.minimum(inside[rows] ^ 1, torch.tensor(e - 1, device=device))
+        logits[rows, partner] = logits[rows, inside[rows]]
     return {"router_logits": logits.to(dtype), "e_score_correction_bias": bias.float()}
 
 
@@ -104,13 +112,17 @@ def _experts_inputs(definition: Definition, axes: Mapping[str, int],
     }
 
 
-_ROUTER_OUTPUTS = {
+ROUTER_OUTPUTS = {
     "topk_weights": Tensor(("num_tokens", "top_k"), "float32",
                            "Routing weight of each chosen expert (canonical order)."),
     "topk_ids": Tensor(("num_tokens", "top_k"), "int32", "Chosen expert ids (canonical order)."),
 }
 
-TOPK_SOFTMAX = register(Template(
+def _token_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    return {"num_tokens": (16, 1, 7, 33)[index % 4]}
+
+
+TOPK_SOFTMAX = Template(
     family="moe_topk_softmax",
     op_type="moe_router",
     name="moe_topk_softmax_e{num_experts}_topk{top_k}_norm{renormalize:d}_{logits_dtype}",
@@ -118,7 +130,7 @@ TOPK_SOFTMAX = register(Template(
         "Softmax top-k MoE router (Mixtral, Qwen2/3-MoE, Qwen3-Next): probabilities = "
         "softmax(router_logits) in float32; the top_k experts by logit are chosen; with "
         "renormalize (Qwen3's norm_topk_prob) their probabilities are divided by their sum. "
-        + _ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math in "
+        + ROUTER_ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math in "
         "`_softmax_topk`, which computes in the logits dtype); transformers "
         "`Qwen3MoeTopKRouter` (returns bf16 weights)."),
     axes={"num_tokens": var("Tokens routed in this call."),
@@ -126,7 +138,7 @@ TOPK_SOFTMAX = register(Template(
           "top_k": const("Experts chosen per token.")},
     inputs={"router_logits": Tensor(("num_tokens", "num_experts"), "{logits_dtype}",
                                     "Gate logits, one per expert.")},
-    outputs=_ROUTER_OUTPUTS,
+    outputs=ROUTER_OUTPUTS,
     reference="moe_topk_softmax.py",
     generate=_softmax_router_inputs,
     # Engines compute in the logits dtype: vLLM CPU's exp(logit - logsumexp) in bf16 (when
@@ -134,14 +146,16 @@ TOPK_SOFTMAX = register(Template(
     compare={"topk_ids": CompareRule(kind="selection", scores="router_logits"),
              "topk_weights": CompareRule(atol=1e-5, rtol=4e-2, paired_with="topk_ids")},
     params={"renormalize": True, "logits_dtype": "bfloat16"},
+    choices={"logits_dtype": ("bfloat16", "float16", "float32")},
     constraints=("top_k <= num_experts",),
     tags=("stage:moe_router",),
     engines=("vllm", "transformers"),
     example={"num_experts": 8, "top_k": 2},
     example_axes={"num_tokens": 16},
-))
+    workload_axes=_token_axes,
+)
 
-TOPK_GROUPED_SIGMOID = register(Template(
+TOPK_GROUPED_SIGMOID = Template(
     family="moe_topk_grouped_sigmoid",
     op_type="moe_router",
     name=("moe_topk_grouped_sigmoid_e{num_experts}_topk{top_k}_ng{n_group}_kg{topk_group}"
@@ -153,7 +167,7 @@ TOPK_GROUPED_SIGMOID = register(Template(
         "are kept, and the top_k best biased experts inside them are chosen. Weights are the "
         "unbiased scores of the chosen experts, divided by their sum if renormalize, then "
         "multiplied by routed_scaling_factor. Group ties also go to the lower group id. "
-        + _ORDER + " Engine mapping: transformers `DeepseekV3TopkRouter` applies the "
+        + ROUTER_ORDER + " Engine mapping: transformers `DeepseekV3TopkRouter` applies the "
         "model's routed_scaling_factor in the router (instantiate with it). vLLM CPU "
         "`CPURouter.select_experts` (EPLB off; math in `_grouped_topk`) gets routed_scaling_factor=1.0 "
         "for DeepSeek-V3 (apply_routed_scale_to_output: the MoE runner scales the combined "
@@ -168,22 +182,27 @@ TOPK_GROUPED_SIGMOID = register(Template(
                                     "Gate logits, one per expert."),
             "e_score_correction_bias": Tensor(("num_experts",), "float32",
                                               "Per-expert bias added for selection only.")},
-    outputs=_ROUTER_OUTPUTS,
+    outputs=ROUTER_OUTPUTS,
     reference="moe_topk_grouped_sigmoid.py",
     generate=_grouped_router_inputs,
     # The selection score (sigmoid + bias) is not an input, so ids must match as sets.
     compare={"topk_ids": CompareRule(kind="selection"),
              "topk_weights": CompareRule(atol=1e-6, rtol=1e-5, paired_with="topk_ids")},
     params={"renormalize": True, "routed_scaling_factor": 1.0, "logits_dtype": "float32"},
+    choices={"logits_dtype": ("bfloat16", "float16", "float32")},
     constraints=("num_experts % n_group == 0", "num_experts // n_group >= 2",
                  "topk_group <= n_group", "top_k <= topk_group * (num_experts // n_group)"),
     tags=("stage:moe_router",),
     engines=("vllm", "transformers"),
-    example={"num_experts": 8, "top_k": 2, "n_group": 4, "topk_group": 2},
+    # Four experts per group (with two, "sum of the two best" is the group's sum) and a
+    # routed scaling factor that shows where it is applied.
+    example={"num_experts": 16, "top_k": 3, "n_group": 4, "topk_group": 2,
+             "routed_scaling_factor": 2.5},
     example_axes={"num_tokens": 16},
-))
+    workload_axes=_token_axes,
+)
 
-EXPERTS_SWIGLU = register(Template(
+EXPERTS_SWIGLU = Template(
     family="moe_experts_swiglu",
     op_type="moe",
     name="moe_experts_swiglu_e{num_experts}_h{hidden_size}_i{intermediate_size}_topk{top_k}",
@@ -226,4 +245,5 @@ EXPERTS_SWIGLU = register(Template(
     example={"num_experts": 8, "hidden_size": 128, "intermediate_size": 64,
              "gemm1_out_size": 128, "top_k": 2},
     example_axes={"num_tokens": 16},
-))
+    workload_axes=_token_axes,
+)

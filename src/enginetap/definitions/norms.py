@@ -1,8 +1,36 @@
 """Normalisation families: ``rmsnorm`` and ``fused_add_rmsnorm``.
 
-Both reduce in float32 and round once to the activation dtype. vLLM and transformers round the
-normalised row to the activation dtype before multiplying by the weight; that second rounding
-stays within the default bf16/fp16 tolerances replay uses.
+Where an RMSNorm rounds to the activation dtype is part of its semantics, so it is a
+parameter and part of the name (``rounding``):
+
+* ``twice``: the normalised row is rounded, then multiplied by the weight and rounded again.
+  transformers' ``LlamaRMSNorm`` (``weight * x.to(input_dtype)``) and vLLM 0.32 on CPU, whose
+  ``RMSNorm.forward`` runs ``vllm.ir.ops.rms_norm`` / ``fused_add_rms_norm`` with the CPU
+  platform's default op priority ``["native"]`` (the ``vllm_c`` kernels are registered for
+  GPU-like devices only).
+* ``once``: float32 throughout, one rounding at the end: vLLM's C kernels
+  ``_C.rms_norm`` / ``_C.fused_add_rms_norm`` (what GPUs run; vLLM CPU builds carry them too)
+  and FlashInfer's rmsnorm definitions. The fused kernel takes the variance of the float32
+  sum but normalises the *rounded* residual it writes back.
+
+The two differ by one unit in the last place (ulp) on about a quarter of bf16 elements.
+Both take the variance in float32 from the float32 inputs (for the fused form, of the float32
+sum, never of the rounded residual).
+
+Engine spread, measured against vLLM 0.32's three CPU builds (``tests/definitions/
+test_norms.py`` loads each one the CPU can run; a build computes the same bits on any CPU
+that runs it, so this machine reproduces the others' numerics): the build for AVX512-BF16/AMX
+CPUs rounds float32 to bf16 to nearest even, like torch and this reference, and matches it to
+1 ulp (a different summation order of the variance flips a rounding on rare elements). The
+AVX-512F build without BF16 and the AVX2 build (older Xeons, AMD EPYC before Zen 4) convert
+by *truncation*: ``residual_out`` is up to 1 ulp smaller in magnitude, and ``output``, which
+normalises that residual and truncates again, is off by up to 3 ulps (2 of 896 elements by
+0.03125 at |x| ~ 2 on such a machine). Bound, relative to the value: each truncation errs by
+less than ``2**-7`` (a bf16 ulp is at most that fraction of the value) and the reference's own
+rounding by at most ``2**-8``, so engines stay below ``2.5 * 2**-7`` (measured: 1.97 * 2**-7).
+The compare rule is therefore ``|actual - expected| <= 3 * 2**-7 * |expected|``: the engines'
+own spread, where bf16's default ``1e-2 + 1e-2 * |x|`` (0.03 at |x| = 2) refuses them. For
+float16/float32 instances the same bound is looser than their own rounding, never tighter.
 """
 
 from __future__ import annotations
@@ -10,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +48,10 @@ if TYPE_CHECKING:
 __all__ = ["FUSED_ADD_RMSNORM", "RMSNORM"]
 
 _EPS = 1e-6
+_ROUNDING = ("twice", "once")
+_DTYPES = ("bfloat16", "float16", "float32")
+# The engines' spread, relative (see the module docstring); zeros stay zeros in every engine.
+_SPREAD = CompareRule(atol=2.0 ** -24, rtol=3 * 2.0 ** -7)
 
 
 def _rows(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
@@ -55,19 +87,34 @@ def _generate_fused_add(definition: Definition, axes: Mapping[str, int], gen: to
             "weight": _weight(definition, gen, device), "eps": _EPS}
 
 
+def _axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Token counts of decode (1), small and odd batches, so workloads differ in shape."""
+    return {"batch_size": (5, 1, 17, 3)[index % 4]}
+
+
 _AXES = {"batch_size": var("rows (tokens) normalised in this call"),
          "hidden_size": const("model hidden size")}
+_INPUT_MAP = ("vLLM: RMSNorm.forward (model_executor/layers/layernorm.py) with x -> "
+              "hidden_states, self.weight -> weight, self.variance_epsilon -> eps")
+_ROUNDING_DOC = (
+    " Rounding (the name's last part): 'twice' rounds the normalised row r = x * "
+    "rsqrt(mean(x^2) + eps) (float32) to dtype, then rounds r * weight again (transformers "
+    "LlamaRMSNorm, vLLM 0.32 CPU's RMSNorm); 'once' rounds only x * rsqrt(...) * weight "
+    "(vLLM's C kernel rms_norm, FlashInfer). Engines of the same rounding agree within a "
+    "relative 3 * 2^-7 (bf16: vLLM CPU builds for CPUs without AVX512-BF16 truncate instead "
+    "of rounding to nearest), which is the compare rule.")
 
-RMSNORM = register(Template(
+RMSNORM = Template(
     family="rmsnorm",
     op_type="rmsnorm",
-    name="rmsnorm_h{hidden_size}",
+    name="rmsnorm_h{hidden_size}_{dtype}_round_{rounding}",
     description=(
-        "Root-mean-square norm of each row: x / sqrt(mean(x^2) + eps) * weight. "
-        "vLLM: RMSNorm.forward(x) (model_executor/layers/layernorm.py) with x -> hidden_states, "
-        "self.weight -> weight, self.variance_epsilon -> eps. transformers: "
-        "LlamaRMSNorm.forward(hidden_states) (also Qwen3/DeepSeek-V3 norms) with self.weight, "
-        "self.variance_epsilon. Gemma-style norms that scale by (1 + w) map with weight = 1 + w."),
+        "Root-mean-square norm of each row: x / sqrt(mean(x^2) + eps) * weight, the mean "
+        "taken in float32. " + _INPUT_MAP + ". transformers: LlamaRMSNorm.forward("
+        "hidden_states) (also Qwen3/DeepSeek-V3 norms) with self.weight, "
+        "self.variance_epsilon. Gemma-style norms (scale by 1 + w, multiplied in float32 and "
+        "rounded once) are not this family: weight = 1 + w rounded to dtype loses what their "
+        "float32 1 + w keeps." + _ROUNDING_DOC),
     axes=_AXES,
     inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
             "weight": Tensor(("hidden_size",), "{dtype}"),
@@ -75,23 +122,32 @@ RMSNORM = register(Template(
     outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}")},
     reference="rmsnorm.py",
     generate=_generate_rmsnorm,
-    params={"dtype": "bfloat16"},
+    compare={"output": _SPREAD},
+    params={"dtype": "bfloat16", "rounding": "twice"},
+    choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("transformers", "vllm"),
     example={"hidden_size": 128},
     example_axes={"batch_size": 5},
-))
+    workload_axes=_axes,
+)
 
-FUSED_ADD_RMSNORM = register(Template(
+FUSED_ADD_RMSNORM = Template(
     family="fused_add_rmsnorm",
     op_type="rmsnorm",
-    name="fused_add_rmsnorm_h{hidden_size}",
+    name="fused_add_rmsnorm_h{hidden_size}_{dtype}_round_{rounding}",
     description=(
-        "Residual add then RMSNorm: s = hidden_states + residual; output = "
-        "s / sqrt(mean(s^2) + eps) * weight; residual_out = s. vLLM: RMSNorm.forward(x, residual) "
-        "with x -> hidden_states, residual -> residual; it returns (output, residual_out) in this "
-        "order (the C kernel fused_add_rms_norm writes them into x and residual in place). "
-        "transformers has no fused form (its decoder layers add, then call the plain norm), "
-        "so only vLLM runs this family."),
+        "Residual add then RMSNorm: s = hidden_states + residual in float32; residual_out = "
+        "s rounded to dtype; the variance is mean(s^2) of the float32 s. Rounding 'twice' "
+        "(vLLM 0.32 CPU's RMSNorm.forward(x, residual), i.e. vllm.ir fused_add_rms_norm "
+        "native): output = round(round(s * rsqrt(var + eps)) * weight), normalising the "
+        "float32 s. Rounding 'once' (vLLM's C kernel fused_add_rms_norm, GPUs): output = "
+        "round(residual_out * rsqrt(var + eps) * weight), normalising the rounded residual. "
+        + _INPUT_MAP + ", residual -> residual; it returns (output, residual_out) in this "
+        "order (the C kernel writes them into x and residual in place). transformers has no "
+        "fused form (its decoder layers add in dtype, then call the plain norm), so only vLLM "
+        "runs this family. Engines of the same rounding agree within a relative 3 * 2^-7 (vLLM "
+        "CPU builds for CPUs without AVX512-BF16 truncate: residual_out 1 ulp, output up to 3 "
+        "ulps), which is the compare rule."),
     axes=_AXES,
     inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
             "residual": Tensor(("batch_size", "hidden_size"), "{dtype}"),
@@ -102,8 +158,11 @@ FUSED_ADD_RMSNORM = register(Template(
                                     "hidden_states + residual, the next layer's residual")},
     reference="fused_add_rmsnorm.py",
     generate=_generate_fused_add,
-    params={"dtype": "bfloat16"},
+    compare={"output": _SPREAD, "residual_out": _SPREAD},
+    params={"dtype": "bfloat16", "rounding": "twice"},
+    choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("vllm",),
     example={"hidden_size": 128},
     example_axes={"batch_size": 5},
-))
+    workload_axes=_axes,
+)

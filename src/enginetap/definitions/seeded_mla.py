@@ -13,14 +13,20 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["MLA_DECODE_FP8_FP4_SINK", "SPARSE_MLA_PREFILL_SINK"]
+
 DECODE = "mla_decode_fp8_fp4_sink"
 PREFILL = "sparse_mla_prefill_sink"
 
+_ROWS = ("Valid slots of a row must be distinct (a repeated slot is refused: a gather kernel "
+         "would attend it twice, a mask kernel once). A row's output depends only on the "
+         "slots it attends: padding and ignored entries are never read, so non-finite values "
+         "elsewhere in the cache (NaN codes, a reserved padding slot) cannot reach it. ")
 _SINK = ("The sink adds exp(attn_sink[h]) to the softmax denominator and nothing to the "
          "numerator (-inf disables it). lse is the base-2 log-sum-exp of the attended scaled "
          "logits, sink excluded (-inf, with a zero output, when nothing is attended).")
@@ -93,6 +99,20 @@ def _generate_prefill(definition: Definition, axes: Mapping[str, int], gen: torc
     }
 
 
+def _decode_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Pages enough for a full row of distinct slots in each scope, then more."""
+    ps = consts["page_size"]
+    base8, base4 = -(-consts["topk8"] // ps), -(-consts["topk4"] // ps)
+    batch, extra8, extra4 = ((3, 1, 1), (1, 0, 0), (5, base8, base4 + 1), (2, 2, 0))[index % 4]
+    return {"batch": batch, "num_pages8": base8 + extra8, "num_pages4": base4 + extra4}
+
+
+def _prefill_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    base = -(-consts["topk"] // consts["page_size"])
+    tokens, pages = ((6, base + 3), (1, base), (13, 3 * base), (4, base + 1))[index % 4]
+    return {"num_tokens": tokens, "num_pages": pages}
+
+
 _MLA_AXES = {
     "num_heads": const("query heads"),
     "ckv_dim": const("latent (compressed KV) width"),
@@ -102,7 +122,7 @@ _MLA_AXES = {
 _ATTENTION_OUT = {"output": ("bfloat16", "attention output in latent space"),
                   "lse": ("float32", "base-2 log-sum-exp of the attended logits, sink excluded")}
 
-register(Template(
+MLA_DECODE_FP8_FP4_SINK = Template(
     family=DECODE,
     op_type="mla_paged",
     name="mla_decode_fp8_fp4_sink_h{num_heads}_ckv{ckv_dim}_kpe{kpe_dim}_ps{page_size}"
@@ -114,7 +134,9 @@ register(Template(
         "(bf16). FP4 scope: latent = e2m1 codes of ckv4_cache (int8 bytes, element 2i in the "
         "low nibble, 2i+1 in the high one) * 2**(b-127) per 32 elements, b the unsigned E8M0 "
         "byte of ckv4_scale; rope = kpe4_cache (bf16). logits = sm_scale * (q_nope.latent + "
-        "q_pe.rope), values = latent, softmax over both scopes' slots. " + _SINK),
+        "q_pe.rope), values = latent, softmax over both scopes' slots. Dequantised latents "
+        "stay float32: they are not rounded to bf16 before the dot products or as values; "
+        "everything is float32 until the output is cast to bf16. " + _ROWS + _SINK),
     axes={
         "batch": var("decoding sequences"),
         "num_pages8": var("pages of the FP8 cache"),
@@ -150,9 +172,10 @@ register(Template(
     example={"num_heads": 4, "ckv_dim": 128, "kpe_dim": 32, "page_size": 8, "ckv_tiles": 2,
              "ckv_packed": 64, "ckv_groups": 4, "topk8": 16, "topk4": 12},
     example_axes={"batch": 3, "num_pages8": 6, "num_pages4": 5},
-))
+    workload_axes=_decode_axes,
+)
 
-register(Template(
+SPARSE_MLA_PREFILL_SINK = Template(
     family=PREFILL,
     op_type="dsa_attention",
     name="sparse_mla_prefill_sink_h{num_heads}_ckv{ckv_dim}_kpe{kpe_dim}_ps{page_size}"
@@ -160,8 +183,8 @@ register(Template(
     description=(
         "Sparse MLA prefill: token t attends the slots sparse_indices[t, j] (page * page_size "
         "+ offset into the bf16 ckv/kpe caches) for j < topk_lens[t] that are not -1; later "
-        "entries are ignored. logits = sm_scale * (q_nope.ckv + q_pe.kpe), values = ckv. "
-        + _SINK),
+        "entries are ignored. logits = sm_scale * (q_nope.ckv + q_pe.kpe), values = ckv, in "
+        "float32. " + _ROWS + _SINK),
     axes={
         "num_tokens": var("query tokens of the batch"),
         "num_pages": var("pages of the latent cache"),
@@ -185,4 +208,5 @@ register(Template(
     tags=("seed-only", "attention_sink"),
     example={"num_heads": 4, "ckv_dim": 64, "kpe_dim": 16, "page_size": 4, "topk": 8},
     example_axes={"num_tokens": 6, "num_pages": 5},
-))
+    workload_axes=_prefill_axes,
+)

@@ -10,12 +10,44 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import Template, Tensor, const, register, var
+from enginetap.definitions.base import Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["MOE_GROUPED_GEMM_FP8_FP4", "seed_layout_to_indptr"]
+
 FAMILY = "moe_grouped_gemm_fp8_fp4"
+
+
+def seed_layout_to_indptr(a: torch.Tensor, a_scale_e8m0: torch.Tensor, expert_ids: torch.Tensor,
+                          num_experts: int) -> dict[str, torch.Tensor]:
+    """Inputs of this family from the seed's layout of the same GEMM.
+
+    The seed gives each row of ``a`` (FP8 e4m3fn, ``[m, k]``) its expert in ``expert_ids``
+    (``[m]``) and scales activations per 32 columns by E8M0 bytes ``a_scale_e8m0``
+    (``[m, k // 32]``, int8 or uint8 holding the raw byte). Returns ``a``, ``a_scale``
+    (float32 ``2 ** (byte - 127)``, so ``k_blocks = k // 32``), ``m_indptr`` and ``order``:
+    the rows stably sorted by expert, so output row ``i`` of this family is seed row
+    ``order[i]``. Nothing is rounded: the adapter is exact.
+
+    Raises:
+        ValueError: an expert id is outside ``[0, num_experts)`` or the shapes disagree.
+    """
+    import torch
+
+    ids = expert_ids.long()
+    if ids.dim() != 1 or ids.shape[0] != a.shape[0] or a_scale_e8m0.shape != (
+            a.shape[0], a.shape[1] // 32) or bool(((ids < 0) | (ids >= num_experts)).any()):
+        raise ValueError("need a [m, k], a_scale_e8m0 [m, k // 32] and expert_ids [m] "
+                         f"with ids in [0, {num_experts})")
+    order = torch.sort(ids, stable=True).indices
+    exponent = (a_scale_e8m0.to(torch.int32) & 0xFF).to(torch.float32)
+    scale = torch.where(exponent == 255, float("nan"), torch.exp2(exponent - 127.0))
+    counts = torch.bincount(ids, minlength=num_experts)
+    m_indptr = torch.zeros(num_experts + 1, dtype=torch.int32, device=a.device)
+    m_indptr[1:] = counts.cumsum(0)
+    return {"a": a[order], "a_scale": scale[order], "m_indptr": m_indptr, "order": order}
 
 
 def _expert_rows(total_m: int, experts: int, gen: torch.Generator, device: str) -> list[int]:
@@ -51,7 +83,12 @@ def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Genera
     }
 
 
-register(Template(
+def _axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Row counts vary; len_indptr follows num_experts, whatever it is set to."""
+    return {"total_m": (24, 1, 50, 7)[index % 4], "len_indptr": consts["num_experts"] + 1}
+
+
+MOE_GROUPED_GEMM_FP8_FP4 = Template(
     family=FAMILY,
     op_type="grouped_gemm",
     name="moe_grouped_gemm_fp8_fp4_e{num_experts}_n{n}_k{k}_kb{k_blocks}",
@@ -61,7 +98,12 @@ register(Template(
         "multiply expert e's FP4 e2m1 weights w[e] (n x k), output bf16 [total_m, n]. Each "
         "int8 byte of w packs two e2m1 codes, element 2i in the low nibble and 2i+1 in the "
         "high nibble; each run of 32 weight elements along k is scaled by 2**(b-127), b the "
-        "unsigned E8M0 byte held in w_scale (255 is NaN)."),
+        "unsigned E8M0 byte held in w_scale (255 is NaN). m_indptr[0] == 0 and "
+        "m_indptr[-1] == total_m: every row belongs to exactly one expert (a layout leaving "
+        "rows uncovered is refused). The seed's layout (per-row expert ids, group-32 E8M0 "
+        "activation scales) maps onto this one exactly with seed_layout_to_indptr (this "
+        "module): rows stably sorted by expert id, k_blocks = k // 32, a_scale = "
+        "2**(byte - 127); the output rows come back in that sorted order."),
     axes={
         "total_m": var("rows of all experts together (tokens x routed experts)"),
         "len_indptr": var("num_experts + 1"),
@@ -88,4 +130,5 @@ register(Template(
     example={"num_experts": 4, "n": 48, "k": 256, "k_blocks": 2, "k_packed": 128,
              "k_groups": 8},
     example_axes={"total_m": 24, "len_indptr": 5},
-))
+    workload_axes=_axes,
+)

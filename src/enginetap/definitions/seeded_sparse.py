@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.dataset.schema import Definition
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, register, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["COMPRESSED_SPARSE_TOPK", "SPARSE_GQA_PAGED_DECODE"]
 
 TOPK = "compressed_sparse_topk"
 DECODE = "sparse_gqa_paged_decode"
@@ -105,13 +107,28 @@ def _generate_decode(definition: Definition, axes: Mapping[str, int], gen: torch
     }
 
 
-register(Template(
+def _topk_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    tokens, pages, max_pages = ((7, 10, 4), (1, 3, 3), (12, 20, 6), (3, 5, 5))[index % 4]
+    return {"num_tokens": tokens, "num_pages": pages, "max_pages": max_pages}
+
+
+def _decode_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """Per-KV-head selections and the seed's shared selection (sel_heads == 1) in turn."""
+    batch, pages, max_pages = ((3, 12, 4), (2, 8, 4), (1, 4, 4), (5, 20, 4))[index % 4]
+    sel = consts["num_kv_heads"] if index % 2 == 0 else 1
+    return {"batch": batch, "num_pages": pages, "max_pages": max_pages, "sel_heads": sel}
+
+
+COMPRESSED_SPARSE_TOPK = Template(
     family=TOPK,
     op_type="sparse_index",
     name="compressed_sparse_topk_h{num_heads}_d{head_dim}_c{block_size}_ps{page_size}"
-         "_topk{topk}",
+         "_topk{topk}_relu{relu:d}",
     description=(
-        "Block-level sparse-attention indexer. The cache holds one compressed key per "
+        "Block-level sparse-attention indexer. The seed names this op by its block ids only; "
+        "the weighted-relu score below and the scores output are enginetap's own reading of "
+        "it (the DeepSeek lightning-indexer score applied to compressed keys), not the seed's "
+        "words. The cache holds one compressed key per "
         "complete block of block_size tokens; logical block b of token t is at "
         "kc_cache[page_table[t, b // page_size], b % page_size]. Token t sees blocks "
         "b < seq_lens[t] // block_size. score = sum_h weights[t,h] * f(q[t,h].key), f = relu "
@@ -146,11 +163,13 @@ register(Template(
     compare={"block_ids": CompareRule(kind="selection", scores="scores")},
     params={"relu": True},
     tags=("seed-only",),
-    example={"num_heads": 4, "head_dim": 32, "page_size": 4, "block_size": 4, "topk": 6},
+    # page_size != block_size: one counts compressed keys per page, the other tokens per key.
+    example={"num_heads": 4, "head_dim": 32, "page_size": 8, "block_size": 4, "topk": 6},
     example_axes={"num_tokens": 7, "num_pages": 10, "max_pages": 4},
-))
+    workload_axes=_topk_axes,
+)
 
-register(Template(
+SPARSE_GQA_PAGED_DECODE = Template(
     family=DECODE,
     op_type="gqa_paged",
     name="sparse_gqa_paged_decode_h{num_qo_heads}_kv{num_kv_heads}_d{head_dim}_ps{page_size}"
@@ -160,7 +179,10 @@ register(Template(
         "tokens b*block_size .. (b+1)*block_size-1; token i of sequence s is at "
         "[page_table[s, i // page_size], i % page_size]. Query head h (KV head g = h // "
         "(num_qo_heads / num_kv_heads)) attends the tokens before seq_lens[s] of the blocks "
-        "block_ids[s, g] (block_ids[s, 0] when sel_heads == 1); -1 is padding. lse: base-2 "
+        "block_ids[s, g] (block_ids[s, 0] for every head when sel_heads == 1: the shared "
+        "selection of the seed); -1 is padding. The valid blocks of a selection must be "
+        "distinct (a repeated block is refused). A head's output depends only on the tokens "
+        "it attends (non-finite values elsewhere in the cache never reach it). lse: base-2 "
         "log-sum-exp of the scaled logits (-inf, with a zero output, when nothing is attended)."),
     axes={
         "batch": var("decoding sequences"),
@@ -193,4 +215,5 @@ register(Template(
     example={"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 32, "page_size": 8,
              "block_size": 4, "topk": 5},
     example_axes={"batch": 3, "num_pages": 12, "max_pages": 4, "sel_heads": 2},
-))
+    workload_axes=_decode_axes,
+)

@@ -30,12 +30,11 @@ from enginetap.dataset.schema import Definition, WorkloadLine
 from enginetap.definitions.base import (
     CompareRule,
     Template,
-    params_of,
     compile_reference,
     family_of,
-    known_template,
-    templates,
+    params_of,
 )
+from enginetap.definitions.registry import known_template, templates
 from enginetap.errors import ConfigError, DatasetError, EnginetapError
 from enginetap.replay.compare import Comparison, compare_outputs, fallback_rule
 from enginetap.replay.report import (

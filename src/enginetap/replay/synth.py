@@ -8,6 +8,7 @@ construction; it exercises the whole path (store, load, trust, compare, timing).
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,33 +63,99 @@ def _parse_bool(template: Template, key: str, text: str) -> bool:
                           f"pass {key}=true or {key}=false")
 
 
+SIZE_BUDGET = 256 * 2**20
+"""Bytes the inputs and outputs of one synthetic workload may take (a typo such as
+``hidden_size=10**12`` is refused, not allocated)."""
+
+
 def synthesize(dataset: Dataset, template: Template, values: Mapping[str, Any] | None = None,
-               *, workloads: int = 2, seed: int = 0) -> Definition:
+               *, workloads: int = 2, seed: int = 0,
+               size_budget: int = SIZE_BUDGET) -> Definition:
     """Write ``template``'s definition and ``workloads`` synthetic workloads to ``dataset``.
 
     ``values`` override the family's example const axes and params. Workload ``i`` uses
-    seed ``seed + i`` and the family's example var axes.
+    seed ``seed + i`` and the var axes ``template.axes_for(consts, i)`` (they vary with
+    ``i``). Every workload is computed before anything is written, and a write that fails
+    removes what this call wrote, so a failed synth leaves no definition without workloads.
 
     Raises:
-        DefinitionError: the values do not instantiate the family, or its reference fails.
+        DefinitionError: the values do not instantiate the family, a workload would exceed
+            ``size_budget`` bytes, or the family's generator or reference fails.
         DatasetError: the dataset refuses the definition or a workload.
+        OSError: writing failed (what this call wrote is removed first).
     """
     definition = template.instantiate(**{**template.example, **(values or {})})
-    reference = compile_reference(definition.reference, definition.name)
-    plan = CallPlan(definition)
-    dataset.write_definition(definition)
-    for index in range(workloads):
-        inputs = template.synthetic_inputs(definition, template.example_axes, seed + index)
-        args, kwargs = plan.prepare(inputs, template.example_axes, "cpu")
-        try:
-            outputs = plan.collect(reference(*args, **kwargs), args, kwargs)
-        except Exception as exc:  # a broken family reference: name it instead of crashing
-            raise DefinitionError(f"reference of {definition.name} failed on synthetic inputs",
-                                  f"{type(exc).__name__}: {exc}",
-                                  f"fix enginetap/definitions/refs/{template.reference}") from exc
-        receipt = Receipt(source=f"synthetic:{template.family}", seed=seed + index,
-                          created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                          enginetap_version=__version__,
-                          notes={"axes": dict(template.example_axes)})
-        dataset.add_workload(definition, inputs, outputs=outputs, receipt=receipt)
+    computed = [_workload(template, definition, seed + i, i, size_budget)
+                for i in range(workloads)]
+    _write(dataset, definition, computed)
     return definition
+
+
+def _workload(template: Template, definition: Definition, seed: int, index: int,
+              size_budget: int) -> tuple[dict[str, Any], dict[str, Any], Receipt]:
+    axes = template.axes_for(definition.const_axes, index)
+    _check_size(definition, axes, size_budget)
+    where = f"{definition.name} (workload {index}, axes {axes})"
+    try:
+        inputs = template.synthetic_inputs(definition, axes, seed)
+        plan = CallPlan(definition)
+        args, kwargs = plan.prepare(inputs, axes, "cpu")
+        reference = compile_reference(definition.reference, definition.name)
+        outputs = plan.collect(reference(*args, **kwargs), args, kwargs)
+    except DefinitionError:
+        raise
+    except Exception as exc:  # a broken generator or reference: name it instead of crashing
+        raise DefinitionError(f"synthetic workload of {where} failed",
+                              f"{type(exc).__name__}: {exc}",
+                              f"fix enginetap/definitions/refs/{template.reference} or the "
+                              f"family's generator") from exc
+    receipt = Receipt(source=f"synthetic:{template.family}", seed=seed,
+                      created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                      enginetap_version=__version__, notes={"axes": dict(axes)})
+    return inputs, outputs, receipt
+
+
+def _check_size(definition: Definition, axes: Mapping[str, int], budget: int) -> None:
+    from enginetap.dataset.dtypes import torch_dtype
+
+    total = 0
+    for spec in (*definition.inputs.values(), *definition.outputs.values()):
+        shape = definition.shape_of(spec, dict(axes)) or ()
+        total += math.prod(shape) * torch_dtype(spec.dtype).itemsize
+    if total > budget:
+        raise DefinitionError(
+            f"{definition.name}: a synthetic workload would take {total / 2**20:.1f} MiB",
+            f"more than the budget of {budget / 2**20:.0f} MiB for synthetic tensors",
+            "choose smaller const axes with --set")
+
+
+def _write(dataset: Dataset, definition: Definition,
+           computed: list[tuple[dict[str, Any], dict[str, Any], Receipt]]) -> None:
+    from enginetap.dataset.paths import definition_relpath, workloads_relpath
+
+    new = definition.name not in dataset.definitions()
+    written: list[str] = []
+    try:
+        dataset.write_definition(definition)
+        for inputs, outputs, receipt in computed:
+            line = dataset.add_workload(definition, inputs, outputs=outputs, receipt=receipt)
+            written += [ref for ref in _blob_refs(line)]
+    except BaseException:
+        if new:  # only what this call created: never another writer's definition
+            rels = [definition_relpath(definition.op_type, definition.name),
+                    workloads_relpath(definition.op_type, definition.name), *written]
+            _remove(dataset, rels)
+        raise
+
+
+def _blob_refs(line: Any) -> list[str]:
+    paths = {v.path for v in line.workload.inputs.values() if getattr(v, "path", None)}
+    return sorted(paths)
+
+
+def _remove(dataset: Dataset, rels: list[str]) -> None:
+    for rel in rels:
+        try:
+            dataset.resolve(rel).unlink(missing_ok=True)
+        except OSError:
+            continue  # best effort: the original error is what the caller reports

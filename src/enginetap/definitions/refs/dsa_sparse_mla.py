@@ -5,6 +5,15 @@ import torch
 _CHUNK_ELEMENTS = 1 << 23
 
 
+def _refuse_duplicates(indices, valid, what):
+    # The contract wants distinct slots per row (engines' top-k selections are): a gather
+    # kernel would attend a repeated slot twice, a mask kernel once, so neither is right.
+    placeholder = -1 - torch.arange(indices.shape[-1], device=indices.device)
+    ordered = torch.where(valid, indices.long(), placeholder).sort(dim=-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise ValueError(f"{what}: a row lists the same slot twice; rows must be distinct")
+
+
 @torch.no_grad()
 def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale):
     num_tokens = q_nope.shape[0]
@@ -13,6 +22,7 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale):
     kpe = kpe_cache.reshape(-1, head_dim_kpe).float()
     valid = sparse_indices != -1
     rows = sparse_indices.long().clamp(min=0)
+    _refuse_duplicates(sparse_indices, valid, "sparse_indices")
     scale = float(sm_scale)
     output = torch.empty(num_tokens, num_qo_heads, head_dim_ckv, dtype=torch.bfloat16,
                          device=device)
@@ -21,7 +31,11 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale):
     step = max(1, _CHUNK_ELEMENTS // (topk * head_dim_ckv))
     for lo in range(0, num_tokens, step):
         hi = min(lo + step, num_tokens)
-        kc, kp = ckv[rows[lo:hi]], kpe[rows[lo:hi]]
+        # Padding reads slot 0 as a placeholder: zero it, so that a non-finite value there
+        # (0 * NaN = NaN) cannot reach a row that does not attend slot 0.
+        keep = valid[lo:hi, :, None]
+        kc = torch.where(keep, ckv[rows[lo:hi]], 0.0)
+        kp = torch.where(keep, kpe[rows[lo:hi]], 0.0)
         logits = torch.einsum("thd,tkd->thk", q_nope[lo:hi].float(), kc)
         logits = (logits + torch.einsum("thd,tkd->thk", q_pe[lo:hi].float(), kp)) * scale
         mask = valid[lo:hi, None, :]

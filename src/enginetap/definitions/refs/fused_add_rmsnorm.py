@@ -1,7 +1,9 @@
 # Fused residual add + RMSNorm, as vLLM's RMSNorm.forward(x, residual) returns it:
-#   s = hidden_states + residual (in float32)
-#   output = s / sqrt(mean(s^2) + eps) * weight;  residual_out = s
-# `hidden_size` and `dtype` come from the generated header above.
+#   s = hidden_states + residual (float32);  residual_out = s rounded to dtype
+#   variance = mean(s^2) of the float32 s
+#   rounding "twice" (vLLM 0.32 CPU, vllm.ir native): output = round(round(s * rsqrt) * weight)
+#   rounding "once" (vLLM's C kernel): output = round(residual_out * rsqrt * weight)
+# `hidden_size`, `dtype` and `rounding` come from the generated header above.
 import torch
 
 
@@ -11,7 +13,11 @@ def run(hidden_states, residual, weight, eps):
                          f"{tuple(residual.shape)} must both be [batch_size, {hidden_size}]")
     out_dtype = getattr(torch, dtype)
     summed = hidden_states.to(torch.float32) + residual.to(torch.float32)
-    # The norm reads the float32 sum, not the rounded residual it hands on.
+    residual_out = summed.to(out_dtype)
     inv_rms = torch.rsqrt(summed.pow(2).mean(dim=-1, keepdim=True) + eps)
-    output = (summed * inv_rms * weight.to(torch.float32)).to(out_dtype)
-    return output, summed.to(out_dtype)
+    w = weight.to(torch.float32)
+    if rounding == "twice":
+        output = (summed * inv_rms).to(out_dtype).to(torch.float32) * w
+    else:
+        output = residual_out.to(torch.float32) * inv_rms * w
+    return output.to(out_dtype), residual_out

@@ -3,7 +3,8 @@
 # except the last, which holds kv_last_page_len[b] tokens. Cache layout is NHD:
 # [num_pages, page_size, num_kv_heads, head_dim]. Query head h reads kv head
 # h // (num_qo_heads // num_kv_heads). lse is log2(sum(exp(sm_scale * q.k))), FlashInfer's base.
-# A request without pages gets output 0 and lse -inf.
+# A request without pages gets output 0 and lse -inf, whatever its kv_last_page_len; a
+# request with pages needs 1 <= kv_last_page_len <= page_size.
 # `num_qo_heads`, `num_kv_heads`, `head_dim`, `page_size` and `dtype` come from the header above.
 import math
 
@@ -27,7 +28,9 @@ def run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale):
     for b in range(q.shape[0]):
         pages = kv_indices[indptr[b]:indptr[b + 1]].to(torch.long)
         if pages.numel() == 0:
-            continue
+            continue  # no pages: attends nothing (kv_last_page_len ignored)
+        if not 1 <= last[b] <= page_size:
+            raise ValueError(f"request {b}: kv_last_page_len {last[b]} is not in 1..{page_size}")
         length = (pages.numel() - 1) * page_size + last[b]
         k = _gather(k_cache, pages, length).to(torch.float32).repeat_interleave(group, dim=1)
         v = _gather(v_cache, pages, length).to(torch.float32).repeat_interleave(group, dim=1)

@@ -19,7 +19,15 @@ def _attend(q, k, v, sm_scale):
     rows = torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)
     logits = logits.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > rows, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)
-    output = torch.einsum("hqk,khd->qhd", torch.exp(logits - lse[..., None]), v)
+    probs = torch.exp(logits - lse[..., None])
+    if bool(torch.isfinite(v).all()):
+        output = torch.einsum("hqk,khd->qhd", probs, v)
+    else:
+        # A query must not see the values of later keys it does not attend (0 * NaN = NaN):
+        # with a non-finite value in the request, each query sums over its own prefix only.
+        ends = (rows[:, 0] + 1).tolist()
+        output = torch.stack([torch.einsum("hk,khd->hd", probs[:, i, :end], v[:end])
+                              for i, end in enumerate(ends)])
     return output, (lse / math.log(2.0)).transpose(0, 1)
 
 

@@ -3,7 +3,8 @@
 #   logits = sm_scale * (q_nope . ckv + q_pe . kpe),  output = softmax(logits) @ ckv.
 # Request b owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]]; all are full except the last,
 # which holds kv_last_page_len[b] tokens. lse is base 2 (FlashInfer's convention).
-# A request without pages gets output 0 and lse -inf.
+# A request without pages gets output 0 and lse -inf, whatever its kv_last_page_len; a
+# request with pages needs 1 <= kv_last_page_len <= page_size.
 # `num_qo_heads`, `head_dim_ckv`, `head_dim_kpe`, `page_size`, `dtype` come from the header above.
 import math
 
@@ -28,7 +29,9 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_last_page_
     for b in range(q_nope.shape[0]):
         pages = kv_indices[indptr[b]:indptr[b + 1]].to(torch.long)
         if pages.numel() == 0:
-            continue
+            continue  # no pages: attends nothing (kv_last_page_len ignored)
+        if not 1 <= last[b] <= page_size:
+            raise ValueError(f"request {b}: kv_last_page_len {last[b]} is not in 1..{page_size}")
         length = (pages.numel() - 1) * page_size + last[b]
         ckv = _gather(ckv_cache, pages, length)
         kpe = _gather(kpe_cache, pages, length)

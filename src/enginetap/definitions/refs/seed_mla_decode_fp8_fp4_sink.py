@@ -24,6 +24,15 @@ import torch
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+def _refuse_duplicates(indices, valid, what):
+    # The contract wants distinct slots per row (engines' top-k selections are): a gather
+    # kernel would attend a repeated slot twice, a mask kernel once, so neither is right.
+    placeholder = -1 - torch.arange(indices.shape[-1], device=indices.device)
+    ordered = torch.where(valid, indices.long(), placeholder).sort(dim=-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise ValueError(f"{what}: a row lists the same slot twice; rows must be distinct")
+
+
 def _fp4_decode(packed):
     table = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES),
                          dtype=torch.float32, device=packed.device)
@@ -39,6 +48,7 @@ def _e8m0_decode(raw):
 
 def _slots(indices, num_pages, scope):
     valid = indices >= 0
+    _refuse_duplicates(indices, valid, scope)
     if bool((indices >= num_pages * page_size).any()):
         raise ValueError(f"{scope}: a slot index is beyond num_pages * page_size")
     slot = indices.clamp(min=0).long()
@@ -50,14 +60,22 @@ def _gather_fp8(cache, scale, kpe, indices):
     tile = ckv_dim // ckv_tiles
     latent = cache[page, offset].to(torch.float32)
     latent = latent * scale[page, offset].to(torch.float32).repeat_interleave(tile, -1)
-    return latent, kpe[page, offset].to(torch.float32), valid
+    return _attended(latent, kpe[page, offset], valid)
 
 
 def _gather_fp4(cache, scale, kpe, indices):
     page, offset, valid = _slots(indices, cache.shape[0], "indices4")
     latent = _fp4_decode(cache[page, offset])
     latent = latent * _e8m0_decode(scale[page, offset]).repeat_interleave(32, -1)
-    return latent, kpe[page, offset].to(torch.float32), valid
+    return _attended(latent, kpe[page, offset], valid)
+
+
+def _attended(latent, rope, valid):
+    # Padding reads slot 0 as a placeholder: zero it, so that a NaN code or scale there
+    # (0 * NaN = NaN) cannot reach a row that does not attend slot 0.
+    keep = valid[..., None]
+    return (torch.where(keep, latent, 0.0), torch.where(keep, rope.to(torch.float32), 0.0),
+            valid)
 
 
 def _attend(logits, valid, sink, values):

@@ -17,6 +17,15 @@ import torch
 CHUNK = 64
 
 
+def _refuse_duplicates(indices, valid, what):
+    # The contract wants distinct slots per row (engines' top-k selections are): a gather
+    # kernel would attend a repeated slot twice, a mask kernel once, so neither is right.
+    placeholder = -1 - torch.arange(indices.shape[-1], device=indices.device)
+    ordered = torch.where(valid, indices.long(), placeholder).sort(dim=-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise ValueError(f"{what}: a row lists the same slot twice; rows must be distinct")
+
+
 def _attend(logits, valid, sink, values):
     """Softmax over ``valid`` keys plus the sink; returns (output, lse in base 2)."""
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
@@ -34,8 +43,10 @@ def _chunk(q_nope, q_pe, ckv, kpe, indices, lengths, sink, sm_scale):
     positions = torch.arange(indices.shape[1], device=indices.device)
     valid = (positions[None, :] < lengths[:, None]) & (indices >= 0)
     slot = torch.where(valid, indices, torch.zeros_like(indices)).long()
-    latent = ckv[slot].to(torch.float32)
-    rope = kpe[slot].to(torch.float32)
+    # Unattended entries read slot 0 as a placeholder: zero them, so that a non-finite value
+    # there (0 * NaN = NaN) cannot reach a token that does not attend slot 0.
+    latent = torch.where(valid[..., None], ckv[slot].to(torch.float32), 0.0)
+    rope = torch.where(valid[..., None], kpe[slot].to(torch.float32), 0.0)
     logits = (torch.einsum("thd,tkd->thk", q_nope.to(torch.float32), latent)
               + torch.einsum("thd,tkd->thk", q_pe.to(torch.float32), rope)) * sm_scale
     return _attend(logits, valid, sink, latent)
@@ -46,6 +57,7 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, topk_lens, attn_sink
     kpe = kpe_cache.reshape(-1, kpe_dim)
     positions = torch.arange(topk, device=sparse_indices.device)
     used = (positions[None, :] < topk_lens[:, None]) & (sparse_indices >= 0)
+    _refuse_duplicates(sparse_indices, used, "sparse_indices")
     if bool((sparse_indices[used] >= ckv.shape[0]).any()):
         raise ValueError("sparse_indices: a slot index is beyond num_pages * page_size")
     sink = attn_sink.to(torch.float32)

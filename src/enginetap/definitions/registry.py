@@ -1,0 +1,61 @@
+"""Looking families up: by name, and from a stored definition (is it one of ours?).
+
+Built from the explicit list in :mod:`enginetap.definitions.families` on first use.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from enginetap.dataset.schema import Definition
+from enginetap.definitions.base import Template, family_of, params_of
+from enginetap.definitions.families import FAMILIES
+from enginetap.errors import DefinitionError
+
+__all__ = ["get_template", "known_template", "templates"]
+
+
+@cache
+def _registry() -> dict[str, Template]:
+    registry: dict[str, Template] = {}
+    for template in FAMILIES:
+        if template.family in registry:
+            raise DefinitionError(f"family {template.family!r} listed twice",
+                                  "families.FAMILIES names each family once",
+                                  "remove the duplicate entry")
+        registry[template.family] = template
+    return registry
+
+
+def templates() -> dict[str, Template]:
+    """Every family by name (a copy: callers may change it)."""
+    return dict(_registry())
+
+
+def get_template(family: str) -> Template:
+    """The family called ``family``.
+
+    Raises:
+        DefinitionError: no such family.
+    """
+    try:
+        return _registry()[family]
+    except KeyError:
+        raise DefinitionError(f"unknown definition family {family!r}",
+                              f"known families: {sorted(_registry())}",
+                              "use `enginetap definitions list` to see them") from None
+
+
+def known_template(definition: Definition) -> Template | None:
+    """The template that generated ``definition`` byte for byte, or None if it is foreign."""
+    template = _registry().get(family_of(definition) or "")
+    if template is None:
+        return None
+    try:
+        ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
+    except (DefinitionError, ValueError, KeyError):
+        return None
+    same = (ours.reference == definition.reference and ours.name == definition.name
+            and ours.inputs == definition.inputs and ours.outputs == definition.outputs
+            and ours.constraints == definition.constraints)
+    return template if same else None
