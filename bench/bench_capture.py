@@ -104,14 +104,16 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     print(f"model: {what}; batch {args.batch}, context {args.context}, "
           f"{args.new_tokens} new tokens; device {args.device}")
     requests = _requests(args, model.config.vocab_size)
-    results: dict[str, list[float]] = {"disarmed": [], "unselected": [], "selected": []}
+    # "disarmed again" shows the spread between two identical variants in this run
+    results: dict[str, list[float]] = {"disarmed": [], "unselected": [], "selected": [],
+                                       "disarmed again": []}
     copied: list[int] = []
     tokens = None
     with tempfile.TemporaryDirectory() as tmp:
         names = list(results)
         for round_ in range(args.rounds):
             # rotate the order each round: no variant always runs first (or after another)
-            for variant in names[round_ % 3:] + names[:round_ % 3]:
+            for variant in names[round_ % len(names):] + names[:round_ % len(names)]:
                 policy = {"unselected": "prefill-only", "selected": EVERY_DECODE}.get(variant)
                 out = Path(tmp) / f"{variant}-{round_}"
                 engine = HFEngine.from_loaded(model, arm=_config(out, policy) if policy else None)
@@ -197,7 +199,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     table = measure(args)
     for variant, row in table.items():
-        print(f"{variant:>11}: decode step {row['median_ms']:.3f} ms  ratio {row['ratio']:.3f}"
+        print(f"{variant:>14}: decode step {row['median_ms']:.3f} ms  ratio {row['ratio']:.3f}"
               + (f"  copied {row['bytes_per_step'] / 1e6:.2f} MB/step "
                  f"({row['copy_gb_per_s']:.2f} GB/s of added step time)"
                  if "bytes_per_step" in row else ""))

@@ -13,13 +13,14 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from enginetap import __version__
 from enginetap.capture.probe import Extracted, ProbeCall
 from enginetap.dataset.schema import Receipt
 
-__all__ = ["ENV_PREFIXES", "Provenance", "model_identity"]
+__all__ = ["ENV_PREFIXES", "Facts", "Provenance", "model_identity"]
 
 ENV_PREFIXES = ("ENGINETAP", "VLLM_", "TRANSFORMERS_", "HF_", "OMP_", "CUDA_VISIBLE", "TORCH_")
 """Environment variables recorded: they change what the engine runs."""
@@ -49,23 +50,46 @@ class Provenance:
             "python": sys.version.split()[0],
         }
 
-    def receipt(self, call: ProbeCall, extracted: Extracted, variant: tuple,
-                labels: dict[str, dict[str, Any]]) -> Receipt:
+    def facts(self, call: ProbeCall, extracted: Extracted, variant: tuple) -> Facts:
+        """What the receipt needs from the call, taken now (cheap: numbers and strings;
+        no reference to the engine's tensors survives the call)."""
         step = call.step
         rows = extracted.rows if extracted.rows is not None else range(len(step.rows))
         keys = list(dict.fromkeys(step.rows.keys[i] for i in rows))
+        return Facts(step.step, step.mode, keys, call.layer, call.probe.name,
+                     call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
+                     variant, len(list(rows)), len(step.rows), list(extracted.notes))
+
+    def receipt(self, facts: Facts, labels: dict[str, dict[str, Any]]) -> Receipt:
+        """The workload's receipt (built on the writer thread)."""
         return Receipt(
             source=f"capture:{self.engine}", engine=self.engine,
             engine_version=self.engine_version,
             created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            model=self.model.get("model"), request_ids=keys, step=step.step, mode=step.mode,
-            layer=call.layer[1] if call.layer else None, rank=self.rank,
+            model=self.model.get("model"), request_ids=facts.keys, step=facts.step,
+            mode=facts.mode, layer=facts.layer[1] if facts.layer else None, rank=self.rank,
             world_size=self.world_size, enginetap_version=__version__,
-            notes={**self.static, "model": self.model, "probe": call.probe.name,
-                   "target": call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
-                   "module": call.layer[0] if call.layer else None,
+            notes={**self.static, "model": self.model, "probe": facts.probe,
+                   "target": facts.target,
+                   "module": facts.layer[0] if facts.layer else None,
                    "variant": dict(zip(("mode", "tokens_bucket", "cached_prefix",
-                                        "requests_bucket", "layer"), variant)),
-                   "requests": {k: labels.get(k, {}) for k in keys},
-                   "rows": len(list(rows)), "step_rows": len(step.rows),
-                   "adapter": list(extracted.notes)})
+                                        "requests_bucket", "layer"), facts.variant)),
+                   "requests": {k: labels.get(k, {}) for k in facts.keys},
+                   "rows": facts.rows, "step_rows": facts.step_rows,
+                   "adapter": facts.notes})
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The per-workload part of a receipt, captured on the engine thread."""
+
+    step: int
+    mode: str
+    keys: list[str]
+    layer: tuple[str, str] | None
+    probe: str
+    target: str
+    variant: tuple
+    rows: int
+    step_rows: int
+    notes: list[str]

@@ -37,7 +37,6 @@ from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet, call_signature
 from enginetap.core.scope import SublayerSpec, current_module, current_names, sublayer_classes
 from enginetap.dataset import Dataset
-from enginetap.dataset.checks import check_workload
 from enginetap.dataset.schema import Definition
 
 logger = logging.getLogger("enginetap.capture")
@@ -198,16 +197,20 @@ class CaptureRuntime:
                 return
             if self.writer is None:  # other ranks took part in the gathers; rank 0 writes
                 return
-            check_workload(definition, extracted.inputs, extracted.outputs)
-            keys = {k for k in call.step.rows.keys}
-            labels = {k: self.labels.get(k) for k in keys}
-            receipt = self.provenance.receipt(call, extracted, variant, labels)
+            facts = self.provenance.facts(call, extracted, variant)
             item = Item(definition, HostCopies.of(extracted.inputs),
-                        HostCopies.of(extracted.outputs), receipt)
+                        HostCopies.of(extracted.outputs),
+                        lambda: self.provenance.receipt(
+                            facts, {k: self.labels.get(k) for k in facts.keys}),
+                        lambda why: self._refused(probe, why))
             self.writer.submit(item)
         except Exception as exc:  # noqa: BLE001 - our failure: disable the probe, serve on
             self.selector.release(definition.name, variant)
             self._fail(probe, "adapting the call to its definition", exc)
+
+    def _refused(self, probe: Probe, why: str) -> None:
+        """The dataset refused a workload of ``probe`` (writer thread): disable it."""
+        self._fail(probe, "storing its workload", ValueError(why))
 
     def _fail(self, probe: Probe, doing: str, exc: BaseException) -> None:
         self.failures[probe.name] += 1
@@ -244,6 +247,7 @@ class CaptureRuntime:
             "per_definition": dict(stats.per_definition) if stats else {},
             "dropped_budget_full": stats.dropped_full if stats else 0,
             "dropped_after_write_error": stats.dropped_after_error if stats else 0,
+            "refused_by_dataset": stats.refused if stats else 0,
             "write_error": stats.error if stats else "",
             "probe_failures": dict(self.failures),
             "disabled_probes": dict(self.disabled),

@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from enginetap.capture.copy import HostCopies
 from enginetap.dataset import Dataset
+from enginetap.dataset.checks import WorkloadProblems
 from enginetap.dataset.schema import Definition, Receipt
 
 logger = logging.getLogger("enginetap.capture")
@@ -32,10 +34,15 @@ _STOP = object()
 
 @dataclass
 class Item:
+    """One workload on its way: host copies plus what makes its receipt. ``receipt`` is
+    called on the writer thread; ``refused(message)`` when the dataset refuses the
+    workload (a probe's adapter produced something its definition does not accept)."""
+
     definition: Definition
     inputs: HostCopies
     outputs: HostCopies
-    receipt: Receipt
+    receipt: Callable[[], Receipt]
+    refused: Callable[[str], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +55,8 @@ class WriterStats:
     bytes_written: int = 0
     dropped_full: int = 0
     dropped_after_error: int = 0
+    refused: int = 0
+    """Workloads the dataset refused (their probe is disabled)."""
     error: str = ""
     per_definition: dict[str, int] = field(default_factory=dict)
 
@@ -124,8 +133,14 @@ class Writer:
         for item in items:
             outputs = item.outputs.wait()
             inputs = item.inputs.wait()
-            self.dataset.add_workload(item.definition, inputs, outputs=outputs,
-                                      receipt=item.receipt)
+            try:
+                self.dataset.add_workload(item.definition, inputs, outputs=outputs,
+                                          receipt=item.receipt())
+            except WorkloadProblems as exc:  # the probe's fault, not the disk's: go on
+                self.stats.refused += 1
+                if item.refused is not None:
+                    item.refused(str(exc))
+                continue
             self.stats.written += 1
             self.stats.bytes_written += item.nbytes
             name = item.definition.name

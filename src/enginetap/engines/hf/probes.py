@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from enginetap.capture.probe import Extracted, Probe, ProbeCall
+from enginetap.capture.probe import Extracted, Probe, ProbeCall, instantiate
 from enginetap.dataset.schema import Definition
-from enginetap.definitions import get_template
 
 __all__ = ["PROBES", "token_rows"]
 
@@ -32,10 +31,6 @@ def token_rows(call: ProbeCall, tensor: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, index)
 
 
-def _instantiate(family: str, **values: Any) -> Definition:
-    return get_template(family).instantiate(**values)
-
-
 # ----------------------------------------------------------------------------- RMSNorm
 def _norm_is_offset(module: Any) -> bool:
     """Qwen3-Next's norms scale by (1 + weight) (zero-initialised weight)."""
@@ -51,7 +46,7 @@ def _define_rmsnorm(call: ProbeCall) -> Definition | None:
     # Llama-style norms round the normalised row, then the product (``twice``); Qwen3-Next
     # multiplies in float32 and rounds once.
     rounding = "once" if _norm_is_offset(call.instance) else "twice"
-    return _instantiate("rmsnorm", hidden_size=int(weight.shape[0]), dtype=dtype,
+    return instantiate("rmsnorm", hidden_size=int(weight.shape[0]), dtype=dtype,
                         rounding=rounding)
 
 
