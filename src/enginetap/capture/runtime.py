@@ -128,13 +128,15 @@ class CaptureRuntime:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.close()
+        """Turn SIGTERM/SIGINT into an orderly exit: the stack unwinds (every lock the
+        engine thread held is released) and the exit handler flushes the writer.
+        Flushing here, in the middle of whatever the engine thread was doing, could
+        deadlock on a lock it holds."""
         previous = self._previous_handlers.get(signum)
-        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         if callable(previous):
-            previous(signum, frame)
-        else:
-            signal.raise_signal(signum)
+            previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
+        elif previous != signal.SIG_IGN:
+            raise SystemExit(128 + signum)
 
     # ---------------------------------------------------------------- hot path
     def _wrapper(self, probe: Probe):

@@ -1,0 +1,29 @@
+"""Test helper: capture from the built-in engine in a loop until killed.
+
+    python capture_loop.py OUT [rounds]
+
+Prints "round N" after each generate call (flushed), so a test can kill it mid-run.
+"""
+
+import sys
+from pathlib import Path
+
+from enginetap.config import ArmConfig
+from enginetap.engines.hf import HFEngine, Request
+from enginetap.engines.hf.arming import disarm
+
+out = Path(sys.argv[1])
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000
+policy = {"name": "all", "decode_steps": list(range(64)), "per_variant": 10_000,
+          "per_definition": 10_000, "per_layer": True}
+config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
+                   options={"capture": {"dataset": str(out / "ds"), "policy": policy,
+                                        "batch": 4}})
+engine = HFEngine.from_builtin("llama", arm=config)
+prompts = ["kernels and caches meet the scheduler", "a shorter prompt", "hi"]
+for n in range(rounds):
+    engine.generate([Request(request_id=f"r{n}-{i}", prompt=p, max_new_tokens=4)
+                     for i, p in enumerate(prompts)])
+    print(f"round {n}", flush=True)
+disarm()
+print("done", flush=True)
