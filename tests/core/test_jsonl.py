@@ -1,0 +1,42 @@
+"""The one per-rank JSONL writer: every record stamped with a step, files mergeable."""
+
+from __future__ import annotations
+
+import json
+
+from enginetap.core import context
+from enginetap.core.context import Step, StepRows, publish
+from enginetap.core.jsonl import RankJsonl, close_all
+from enginetap.core.ranks import merge_rank_files
+
+
+def _step(n: int) -> Step:
+    return Step("test", n, "decode", StepRows(["a"], [n], [1], [0], [n]))
+
+
+def test_records_carry_the_step_and_ranks_merge(tmp_path):
+    base = tmp_path / "guard.jsonl"
+    writers = [RankJsonl(base, 0), RankJsonl(base, 1)]
+    writers[0].write({"event": "before any step"})
+    for n in range(3):
+        with publish(_step(n)):
+            for w in writers:
+                w.write({"event": "inside", "n": n})
+        writers[1].write({"event": "after step"})  # stamped with the last step
+    close_all()
+    first = json.loads((tmp_path / "guard-rank0.jsonl").read_text().splitlines()[0])
+    assert first == {"step": -1, "rank": 0, "event": "before any step"}
+    merged = [json.loads(line) for line in merge_rank_files(base).read_text().splitlines()]
+    assert [(r["step"], r["rank"]) for r in merged] == sorted((r["step"], r["rank"]) for r in merged)
+    assert [r["step"] for r in merged if r["event"] == "after step"] == [0, 1, 2]
+
+
+def test_a_file_is_started_afresh_once_per_process_then_shared(tmp_path):
+    base = tmp_path / "x.jsonl"
+    (tmp_path / "x-rank0.jsonl").write_text('{"step": 0, "old": true}\n')
+    RankJsonl(base, 0).write({"a": 1})
+    RankJsonl(base, 0).write({"b": 2})  # a second writer of the same file appends
+    close_all()
+    lines = [json.loads(l) for l in (tmp_path / "x-rank0.jsonl").read_text().splitlines()]
+    assert [("a" in l, "b" in l) for l in lines] == [(True, False), (False, True)]
+    assert context.step_number() == -1
