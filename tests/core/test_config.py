@@ -115,3 +115,12 @@ def test_importing_enginetap_does_not_import_torch_or_engines():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_parsing_an_arming_config_imports_no_torch():
+    code = ("import sys, enginetap.config as c; "
+            "c.ArmConfig(enabled=True, capabilities=['guard', 'capture']); "
+            "print([m for m in ('torch', 'vllm', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -13,23 +13,27 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Names are imported on first use: arming configs validate guard's options without
-# importing torch (enginetap.guard.exact needs it).
-_HOMES = {
-    "Decision": "exact", "ExactnessError": "exact", "ExactPatch": "exact",
-    "describe_key": "keys", "shape_key": "keys",
-    "DriftError": "lock", "GuardLock": "lock", "check_lock": "lock", "diff_lock": "lock",
-    "pin": "lock", "GuardOptions": "options", "install_configured": "options",
-    "RequirementError": "require", "engine_version": "require", "equals": "require",
-    "holds": "require", "one_of": "require", "require": "require",
-}
+from enginetap.guard.lock import DriftError, GuardLock, check_lock, diff_lock, pin
+from enginetap.guard.options import GuardOptions, install_configured
+from enginetap.guard.require import (
+    RequirementError,
+    engine_version,
+    equals,
+    holds,
+    one_of,
+    require,
+)
+
+# The exactness proof needs torch: imported on first use, so that arming configs can
+# validate guard's options without importing torch.
+_LAZY = {"Decision": "exact", "ExactnessError": "exact", "ExactPatch": "exact",
+         "describe_key": "keys", "shape_key": "keys"}
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'enginetap.guard' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"enginetap.guard.{home}"), name)
+    return getattr(importlib.import_module(f"enginetap.guard.{_LAZY[name]}"), name)
 
 
 __all__ = [
