@@ -16,10 +16,11 @@ def _demo(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_runs_engine_writes_validates_and_replays(tmp_path):
-    out = tmp_path / "demo"
+    out = tmp_path / "[exp1]" / "demo"  # markup-like path: printed as is
     result = _demo("--out", str(out), "--workloads", "1", "--max-new-tokens", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+    assert f"3. dataset {out / 'dataset'}" in result.stdout
     assert "5. replay ok" in result.stdout and "req-prefix" in result.stdout
     names = set(Dataset(out / "dataset").definitions())
     assert {"rmsnorm_h128", "gqa_paged_decode_h4_kv2_d32_ps16"} <= names
