@@ -195,8 +195,11 @@ def _status(status: Status) -> str:
 def _numbers(comparison: Comparison | None) -> list[str]:
     if comparison is None:
         return ["-", "-", "-"]
-    return [_num(comparison.max_abs_error, ".3g"), _num(comparison.max_rel_error, ".3g"),
-            f"{100 * comparison.matched_ratio:.2f}%"]
+    errors = [_num(comparison.max_abs_error, ".3g"), _num(comparison.max_rel_error, ".3g")]
+    if comparison.nonfinite:
+        # The maxima cover finite elements only: a NaN/inf mismatch must not read as 0.
+        errors = [f"{comparison.nonfinite} NaN/inf"] * 2
+    return [*errors, f"{100 * comparison.matched_ratio:.2f}%"]
 
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:
