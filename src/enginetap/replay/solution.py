@@ -1,7 +1,9 @@
 """Calling references and candidate solutions the same way, and checking what they leave.
 
 A candidate is imported from ``module:function`` (or ``path/to/file.py:function``) at the
-user's explicit request. It takes the definition's inputs positionally, in order. If its
+user's explicit request, in the child process :mod:`enginetap.replay.execution` runs it in:
+a module from Python's ``sys.path`` as it is, or that one file loaded by its path (neither
+its directory nor the current one is put on ``sys.path``). It takes the definition's inputs positionally, in order. If its
 signature also has a parameter for every output name, it is destination-passing: replay
 allocates those buffers, poisoned (NaN for floats, the dtype's minimum for integers; bools
 and packed fp4 have no spare value and start as zeros), passes them by keyword
