@@ -49,10 +49,15 @@ def test_a_lock_with_no_entries_never_passes(tmp_path: Path) -> None:
     assert "is not a valid guard lock" in done.stderr and "ok:" not in done.stdout
 
 
-@pytest.mark.parametrize("top", ["import sys\nsys.exit(3)\n",
-                                 "raise KeyboardInterrupt\n", "import os\nos._exit(0)\n"])
+@pytest.mark.parametrize("top, says", [
+    ("import sys\nsys.exit(3)\n", "importing it raised SystemExit: 3"),
+    ("raise KeyboardInterrupt\n", "importing it raised KeyboardInterrupt"),
+    ("import os\nos._exit(0)\n", "importing it failed: the process running it ended with exit "
+                                 "code 0"),
+])
 def test_a_target_module_that_exits_at_import_is_reported(engine: tuple[str, Path],
-                                                          tmp_path: Path, top: str) -> None:
+                                                          tmp_path: Path, top: str,
+                                                          says: str) -> None:
     name, path = engine
     lock = tmp_path / "guard.lock"
     mods = str(path.parent)
@@ -62,7 +67,8 @@ def test_a_target_module_that_exits_at_import_is_reported(engine: tuple[str, Pat
     done = _guard("check", str(lock), "-p", mods, cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     drifts = [line for line in done.stdout.splitlines() if line.startswith("DRIFT")]
-    assert len(drifts) == 2 and all(": unreadable (locked " in line for line in drifts), drifts
+    assert len(drifts) == 2 and all(": unreadable (locked " in line and says in line
+                                    for line in drifts), drifts
     assert "2 of 2 target(s) drifted" in done.stdout
     pinned = _guard("pin", f"{name}:launch", "-o", str(tmp_path / "new.lock"), "-p", mods,
                     cwd=tmp_path)

@@ -55,12 +55,14 @@ def test_dataset_modules_never_run_when_the_solution_is_given_by_file(tmp_path: 
     assert not ran.exists()
 
 
-_ENDINGS = {
-    "sys_exit_0": "import sys\n    sys.exit(0)",
-    "system_exit_3": "raise SystemExit(3)",
-    "keyboard_interrupt": "raise KeyboardInterrupt",
-    "os_exit_0": "import os\n    os._exit(0)",
-    "segfault": "import ctypes\n    ctypes.string_at(0)",
+_ENDINGS = {  # what the candidate does, what its ERROR row says
+    "sys_exit_0": ("import sys\n    sys.exit(0)", "candidate failed: SystemExit: 0"),
+    "system_exit_3": ("raise SystemExit(3)", "candidate failed: SystemExit: 3"),
+    "keyboard_interrupt": ("raise KeyboardInterrupt", "candidate failed: KeyboardInterrupt"),
+    "os_exit_0": ("import os\n    os._exit(0)",
+                  "candidate failed: the process running it ended with exit code 0"),
+    "segfault": ("import ctypes\n    ctypes.string_at(0)",
+                 "candidate failed: the process running it was killed by SIGSEGV"),
 }
 
 
@@ -68,13 +70,14 @@ _ENDINGS = {
 def test_candidate_that_ends_its_process_is_an_error_row(tmp_path: Path, ending: str) -> None:
     ds = _rmsnorm_dataset(tmp_path / "ds").root
     cands = tmp_path / "cands.py"
-    cands.write_text(f"def run(hidden_states, weight, eps):\n    {_ENDINGS[ending]}\n")
+    does, says = _ENDINGS[ending]
+    cands.write_text(f"def run(hidden_states, weight, eps):\n    {does}\n")
     done = _enginetap("replay", str(ds), "--repeats", "1", "--solution", f"{cands}:run",
                       cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output
     errors = [line for line in done.stdout.splitlines()
-              if line.startswith("ERROR rmsnorm_h128 workload ") and "candidate failed" in line]
+              if line.startswith("ERROR rmsnorm_h128 workload ") and says in line]
     assert len(errors) == 2, output  # both workloads replayed, both report the candidate
     assert "not ok: 2 PASS, 2 ERROR" in done.stdout
     assert "Traceback" not in output
@@ -102,7 +105,7 @@ def _foreign_dataset(root: Path, reference: str) -> Path:
 
 @pytest.mark.parametrize("reference, expected", [
     ("import os\nos._exit(0)\n\ndef run(x, factor):\n    return x * factor\n",
-     "its reference cannot be loaded: its process ended with exit code 0"),
+     "its reference cannot be loaded: the process running it ended with exit code 0"),
     ("def run(x, factor):\n    raise SystemExit(0)\n", "reference failed: SystemExit: 0"),
     ("def run(x, factor):\n    raise KeyboardInterrupt\n", "reference failed: KeyboardInterrupt"),
 ])

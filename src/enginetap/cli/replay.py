@@ -69,8 +69,10 @@ def replay(
 
 
 def _write_json(path: Path, text: str) -> None:
+    from enginetap.dataset.atomic import replace_text
+
     try:
-        path.write_text(text)
+        replace_text(path, text)  # a failed write leaves no truncated report behind
     except OSError as exc:
         raise EnginetapError(f"cannot write the report to {path}", exc.strerror or str(exc),
                              "pass a --json path in a writable directory") from None

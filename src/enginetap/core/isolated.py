@@ -45,14 +45,14 @@ class ChildDied(RuntimeError):
 
 def _ended(returncode: int | None) -> str:
     if returncode is None:
-        return "its process stopped answering"
+        return "the process running it stopped answering"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        return f"its process was killed by {name}"
-    return f"its process ended with exit code {returncode} (sys.exit or os._exit)"
+        return f"the process running it was killed by {name}"
+    return f"the process running it ended with exit code {returncode} (sys.exit or os._exit)"
 
 
 def one_line(exc: BaseException) -> str:

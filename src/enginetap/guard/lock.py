@@ -222,7 +222,7 @@ class IsolatedReader:
         try:
             reply = self._child.request({"target": spec})
         except ChildDied as exc:
-            raise Unreadable(f"importing it ended the process: {exc}") from None
+            raise Unreadable(f"importing it failed: {exc}") from None
         if "found" in reply:
             return TargetSource(**reply["found"])
         if "vanished" in reply:
