@@ -24,10 +24,11 @@ SRC = Path(enginetap.__file__).resolve().parents[1]
 ENGINETAP = Path(sys.executable).parent / "enginetap"
 
 
-def _enginetap(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _enginetap(*args: str, cwd: Path, path: tuple[Path, ...] = ()
+               ) -> subprocess.CompletedProcess[str]:
     """The installed console script, with this checkout's sources first (as an absolute path:
-    the command runs in another directory)."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+    the command runs in another directory), then ``path``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (SRC, *path))), "COLUMNS": "200"}
     return subprocess.run([str(ENGINETAP), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -52,6 +53,11 @@ def test_dataset_modules_never_run_when_the_solution_is_given_by_file(tmp_path: 
     done = _enginetap("replay", ".", "--solution", "planted_kernels:run", cwd=ds)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "cannot import solution module 'planted_kernels'" in done.stderr
+    assert not ran.exists()
+    # A module on the user's own path (PYTHONPATH) is found, from any directory.
+    done = _enginetap("replay", ".", "--repeats", "0", "--solution", "replay_candidates:correct",
+                      cwd=ds, path=(CANDIDATES.parent,))
+    assert done.returncode == 0 and "ok: 4 PASS" in done.stdout, done.stdout + done.stderr
     assert not ran.exists()
 
 
@@ -93,9 +99,10 @@ def test_solution_that_exits_while_imported_is_refused_with_one_line(tmp_path: P
         assert "error: cannot" in done.stderr and "Traceback" not in done.stderr
 
 
-def _foreign_dataset(root: Path, reference: str) -> Path:
+def _foreign_dataset(root: Path, reference: str, name: str = "scale_d16") -> Path:
     dataset = Dataset(root, create=True)
-    definition = foreign_definition(root / "unused").model_copy(update={"reference": reference})
+    definition = foreign_definition(root / "unused").model_copy(
+        update={"reference": reference, "name": name})
     for rows in (3, 5):
         x = torch.randn(rows, 16)
         dataset.add_workload(definition, {"x": x, "factor": 1.5}, outputs={"y": x * 1.5},
@@ -127,3 +134,16 @@ def test_a_workload_with_nothing_to_compare_fails(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "not ok: 1 PASS, 1 FAIL" in done.stdout
     assert "nothing compared: no engine outputs are stored" in " ".join(done.stdout.split())
+
+
+def test_a_trusted_reference_that_exits_spares_the_next_definition(tmp_path: Path) -> None:
+    # Trusted references share one child process: the next definition starts a new one.
+    _foreign_dataset(tmp_path / "ds", "import os\nos._exit(0)\n\ndef run(x, factor):\n"
+                     "    return x * factor\n", name="scale_a_d16")
+    ds = _foreign_dataset(tmp_path / "ds", "def run(x, factor):\n    return x * factor\n",
+                          name="scale_b_d16")
+    done = _enginetap("replay", str(ds), "--repeats", "0", "--trust-dataset-code", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ERROR scale_a_d16: its reference cannot be loaded" in done.stdout
+    assert "scale_b_d16  PASS  (reference: dataset)" in done.stdout
+    assert "not ok: 2 PASS, 1 ERROR" in done.stdout

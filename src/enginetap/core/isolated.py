@@ -70,6 +70,13 @@ class Child:
         self._process: subprocess.Popen[bytes] | None = None
         self._send: IO[str] | None = None
         self._receive: IO[str] | None = None
+        self.starts = 0
+        """Processes started so far: a new one has lost what the ones before it loaded."""
+
+    @property
+    def running(self) -> bool:
+        """A process is up (the next request does not start one)."""
+        return self._process is not None
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return the reply.
@@ -112,6 +119,7 @@ class Child:
         finally:
             os.close(child_read)
             os.close(child_write)
+        self.starts += 1
         self._send = os.fdopen(parent_write, "w", encoding="utf-8")
         self._receive = os.fdopen(parent_read, "r", encoding="utf-8")
 

@@ -30,7 +30,7 @@ from enginetap.replay.timing import median_ms
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Called", "ChildFunction", "FunctionFailed", "LocalFunction", "Timing"]
+__all__ = ["Called", "ChildFunction", "FunctionFailed", "LocalFunction", "Timing", "child"]
 
 _INPUTS, _OUTPUTS = "inputs.safetensors", "outputs.safetensors"
 
@@ -82,15 +82,27 @@ class LocalFunction:
         """Nothing to release: it runs in this process."""
 
 
-class ChildFunction:
-    """A candidate (``solution``) or a trusted dataset reference, called in a child process."""
+def child() -> Child:
+    """A child process that :class:`ChildFunction` objects can share (started on first use)."""
+    return Child("enginetap.replay.execution:serve")
 
-    def __init__(self, *, solution: str | None = None, reference: str | None = None,
-                 name: str = "<reference>") -> None:
-        self._load = ({"op": "load", "solution": solution} if solution is not None
-                      else {"op": "load", "reference": reference, "name": name})
-        self._child = Child("enginetap.replay.execution:serve")
-        self._loaded = False
+
+class ChildFunction:
+    """A candidate (``solution``) or a trusted dataset reference, called in a child process.
+
+    Several may share one ``process`` (the trusted references of a replay, to start one
+    interpreter rather than one per definition); without one it gets its own. Each is
+    loaded again whenever the process had to be started again.
+    """
+
+    def __init__(self, process: Child | None = None, *, solution: str | None = None,
+                 reference: str | None = None, name: str = "<reference>") -> None:
+        key = "candidate" if solution is not None else f"reference {name}"
+        self._load = ({"op": "load", "key": key, "solution": solution} if solution is not None
+                      else {"op": "load", "key": key, "reference": reference, "name": name})
+        self._key, self._own = key, process is None
+        self._child = process if process is not None else child()
+        self._loaded_in: int | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="enginetap-replay-"))
 
     def start(self) -> None:
@@ -112,7 +124,7 @@ class ChildFunction:
                                   f"importing it failed: {reply['error']}",
                                   "run the solution's module on its own to see why")
             raise FunctionFailed(reply["error"])
-        self._loaded = True
+        self._loaded_in = self._child.starts
 
     def call(self, definition: Definition, inputs: Mapping[str, Any], axes: Mapping[str, int],
              timing: Timing, scrub: Iterable[int] = ()) -> Called:
@@ -121,16 +133,16 @@ class ChildFunction:
 
         tensors = {k: v for k, v in inputs.items() if hasattr(v, "shape")}
         _save(tensors, self._dir / _INPUTS)
-        message = {"op": "call", "definition": definition.model_dump_json(), "dir": str(self._dir),
+        message = {"op": "call", "key": self._key, "dir": str(self._dir),
+                   "definition": definition.model_dump_json(),
                    "scalars": {k: v for k, v in inputs.items() if k not in tensors},
                    "axes": dict(axes), "device": timing.device, "warmup": timing.warmup,
                    "repeats": timing.repeats, "scrub": list(scrub)}
         try:
-            if not self._loaded:
+            if not self._child.running or self._loaded_in != self._child.starts:
                 self.start()
             reply = self._child.request(message)
         except (ChildDied, ConfigError) as exc:
-            self._loaded = False
             raise FunctionFailed(str(exc)) from None
         if "error" in reply:
             raise FunctionFailed(reply["error"])
@@ -139,8 +151,9 @@ class ChildFunction:
         return Called(outputs, reply["destination"], reply["ms"])
 
     def close(self) -> None:
-        """End the child and remove the temporary directory."""
-        self._child.close()
+        """Remove the temporary directory, and end the child unless it is shared."""
+        if self._own:
+            self._child.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -156,7 +169,8 @@ def _save(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 # ----------------------------------------------------------------------- in the child
 
-_LOADED: dict[str, Any] = {}
+_LOADED: dict[str, tuple[Callable[..., Any], str]] = {}
+"""Loaded functions by key: the function and its kind (``candidate`` or ``reference``)."""
 
 
 def serve(message: dict[str, Any]) -> dict[str, Any]:
@@ -172,12 +186,12 @@ def _load(message: dict[str, Any]) -> dict[str, Any]:
 
     if message.get("solution") is not None:
         try:
-            _LOADED.update(function=load_solution(message["solution"]), kind="candidate")
+            _LOADED[message["key"]] = (load_solution(message["solution"]), "candidate")
         except EnginetapError as exc:
             return {"config_error": [exc.what, exc.why, exc.fix]}
     else:
-        _LOADED.update(function=compile_reference(message["reference"], message["name"]),
-                       kind="reference")
+        _LOADED[message["key"]] = (compile_reference(message["reference"], message["name"]),
+                                   "reference")
     return {}
 
 
@@ -189,8 +203,8 @@ def _call(message: dict[str, Any]) -> dict[str, Any]:
     tensors = safetensors.torch.load_file(str(folder / _INPUTS), device=device)
     inputs = {name: tensors[name] if name in tensors else message["scalars"][name]
               for name in definition.inputs}
-    function = _LOADED["function"]
-    plan = (CallPlan.for_function(function, definition) if _LOADED["kind"] == "candidate"
+    function, kind = _LOADED[message["key"]]
+    plan = (CallPlan.for_function(function, definition) if kind == "candidate"
             else CallPlan(definition))
     called = _run(function, plan, inputs, message["axes"],
                   Timing(device, message["warmup"], message["repeats"]), message["scrub"])

@@ -49,13 +49,14 @@ from enginetap.replay.report import (
     WorkloadResult,
     worst,
 )
-from enginetap.core.isolated import one_line
+from enginetap.core.isolated import Child, one_line
 from enginetap.replay.execution import (
     Called,
     ChildFunction,
     FunctionFailed,
     LocalFunction,
     Timing,
+    child,
 )
 from enginetap.replay.solution import nbytes, poison_left
 
@@ -88,6 +89,7 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     _check_options(options)
     dataset = Dataset(root)
     candidate = ChildFunction(solution=solution) if solution else None
+    trusted = child()  # one process for every trusted dataset reference, started if needed
     try:
         if candidate is not None:
             candidate.start()
@@ -98,8 +100,9 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
         with _Progress(progress, sum(len(lines) for _, lines in plan)) as bar:
             for definition, lines in plan:
                 report.definitions.append(_replay_definition(
-                    dataset, definition, lines, candidate, options, bar.advance))
+                    dataset, definition, lines, (candidate, trusted), options, bar.advance))
     finally:
+        trusted.close()
         if candidate is not None:
             candidate.close()
     return report
@@ -150,10 +153,11 @@ class _Reference:
     source: str
 
 
-def _resolve_reference(definition: Definition, trust_dataset_code: bool) -> _Reference | str:
+def _resolve_reference(definition: Definition, trust_dataset_code: bool,
+                       trusted: Child) -> _Reference | str:
     """The reference to run for ``definition``, or the reason it is refused.
 
-    Trusted dataset source runs in a child process, like a candidate.
+    Trusted dataset source runs in the child process ``trusted``, like a candidate.
 
     Raises:
         DefinitionError: enginetap's regenerated source defines no ``run``.
@@ -170,20 +174,20 @@ def _resolve_reference(definition: Definition, trust_dataset_code: bool) -> _Ref
                f"{family.family!r} (edited, or made by another enginetap version)"
                if family is not None else "its reference is not from a known enginetap family")
         return f"{why}; dataset code runs only with {TRUST_FLAG}"
-    trusted = ChildFunction(reference=definition.reference, name=definition.name)
+    run = ChildFunction(trusted, reference=definition.reference, name=definition.name)
     try:
-        trusted.start()
+        run.start()
     except BaseException:
-        trusted.close()
+        run.close()
         raise
-    return _Reference(trusted, _rules(definition, family), "dataset")
+    return _Reference(run, _rules(definition, family), "dataset")
 
 
-def _load_reference(definition: Definition,
-                    trust_dataset_code: bool) -> _Reference | DefinitionResult:
+def _load_reference(definition: Definition, trust_dataset_code: bool,
+                    trusted: Child) -> _Reference | DefinitionResult:
     """The reference to run, or the REFUSED/ERROR result of the whole definition."""
     try:
-        reference = _resolve_reference(definition, trust_dataset_code)
+        reference = _resolve_reference(definition, trust_dataset_code, trusted)
     except FunctionFailed as exc:
         return DefinitionResult(name=definition.name, status="ERROR",
                                 message=f"its reference cannot be loaded: {exc}")
@@ -208,9 +212,11 @@ def _rules(definition: Definition, template: Template | None) -> dict[str, Compa
 
 
 def _replay_definition(dataset: Dataset, definition: Definition, lines: list[WorkloadLine],
-                       candidate: ChildFunction | None, options: ReplayOptions,
+                       processes: tuple[ChildFunction | None, Child], options: ReplayOptions,
                        advance: Callable[[], None]) -> DefinitionResult:
-    reference = _load_reference(definition, options.trust_dataset_code)
+    """``processes``: the candidate (if any) and the child for trusted references."""
+    candidate, trusted = processes
+    reference = _load_reference(definition, options.trust_dataset_code, trusted)
     if isinstance(reference, DefinitionResult):
         for _ in lines:
             advance()
