@@ -132,21 +132,24 @@ class ChildFunction:
         import safetensors.torch
 
         tensors = {k: v for k, v in inputs.items() if hasattr(v, "shape")}
-        _save(tensors, self._dir / _INPUTS)
         message = {"op": "call", "key": self._key, "dir": str(self._dir),
                    "definition": definition.model_dump_json(),
                    "scalars": {k: v for k, v in inputs.items() if k not in tensors},
                    "axes": dict(axes), "device": timing.device, "warmup": timing.warmup,
                    "repeats": timing.repeats, "scrub": list(scrub)}
         try:
+            _save(tensors, self._dir / _INPUTS)
             if not self._child.running or self._loaded_in != self._child.starts:
                 self.start()
             reply = self._child.request(message)
-        except (ChildDied, ConfigError) as exc:
+        except (ChildDied, ConfigError, OSError) as exc:  # OSError: no room for the inputs
             raise FunctionFailed(str(exc)) from None
         if "error" in reply:
             raise FunctionFailed(reply["error"])
-        loaded = safetensors.torch.load_file(str(self._dir / _OUTPUTS))
+        try:
+            loaded = safetensors.torch.load_file(str(self._dir / _OUTPUTS))
+        except Exception as exc:  # e.g. the child's disk filled up mid-write
+            raise FunctionFailed(f"cannot read its outputs back: {one_line(exc)}") from None
         outputs = {name: loaded[name].to(timing.device) for name in reply["outputs"]}
         return Called(outputs, reply["destination"], reply["ms"])
 
