@@ -3,13 +3,13 @@
 A candidate is imported from ``module:function`` (or ``path/to/file.py:function``) at the
 user's explicit request, in the child process :mod:`enginetap.replay.execution` runs it in:
 a module from Python's ``sys.path`` as it is, or that one file loaded by its path (neither
-its directory nor the current one is put on ``sys.path``). It takes the definition's inputs positionally, in order. If its
-signature also has a parameter for every output name, it is destination-passing: replay
-allocates those buffers, poisoned (NaN for floats, the dtype's minimum for integers; bools
-and packed fp4 have no spare value and start as zeros), passes them by keyword
-(positionally after the inputs when the parameters are positional-only) and reads the
-results from them; an element still holding poison where the reference has another value
-was never written. Otherwise the
+its directory nor the current one is put on ``sys.path``). It takes the definition's
+inputs positionally, in order. If its signature also has a parameter for every output name,
+it is destination-passing: replay allocates those buffers, poisoned (NaN for floats, the
+dtype's minimum for integers; bools and packed fp4 have no spare value and start as zeros),
+passes them by keyword (positionally after the inputs when the parameters are
+positional-only) and reads the results from them; an element still holding poison where the
+reference has another value was never written. Otherwise the
 candidate returns its outputs: a tensor for one output, a tuple/list in output order or a
 dict by name for several.
 
