@@ -33,7 +33,7 @@ def test_float_default_tolerance_per_dtype(dtype: torch.dtype, tol: float) -> No
     moved = (actual[5, 7].double() - expected[5, 7].double()).abs().item()
     assert result.max_abs_error == pytest.approx(moved)
     assert result.max_rel_error == pytest.approx(moved / expected[5, 7].double().abs().item())
-    assert result.reason == "1 of 2048 elements differ"
+    assert result.reason.startswith("1 of 2048 elements differ; first at [5, 7]: expected ")
     assert compare_outputs(FLOAT, expected, expected.clone()).passed
 
 
@@ -54,7 +54,8 @@ def test_nan_matches_only_nan_and_unexpected_nan_fails() -> None:
     actual[4] = float("nan")
     result = compare_outputs(FLOAT, expected, actual)
     assert not result.passed and result.unexpected_nan == 1
-    assert result.reason == "1 of 10 elements differ (1 NaN where none expected)"
+    assert result.reason.startswith("1 of 10 elements differ (1 NaN where none expected); "
+                                    "first at [4]: expected ")
     actual = expected.clone()
     actual[2] = 1.0  # a number where the reference has NaN
     assert compare_outputs(FLOAT, expected, actual).matched == 9

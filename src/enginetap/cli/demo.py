@@ -8,17 +8,24 @@
    reference against the stored outputs.
 
 Exit status 0 when the dataset validates and every replay check passes, else 1.
+
+``--out`` is never followed when it is a link. The demo writes only ``OUT/dataset`` and a
+marker file listing the files it wrote there; a re-run deletes exactly those (refusing if
+anything else has appeared under ``OUT/dataset``) and leaves everything else in ``OUT``
+alone. A non-empty directory without that marker is refused.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from enginetap.errors import ConfigError
@@ -45,26 +52,102 @@ def demo(
     model_dir = _build(model)
     _run_engine(model_dir, max_new_tokens)
     dataset = _write_dataset(out / "dataset", model_dir, workloads)
+    _write_marker(out, sorted(_tree(dataset)[0]))
     sys.exit(0 if _validate_and_replay(dataset) else 1)
 
 
 def _fresh_output(out: Path) -> None:
+    """Make ``out`` ready: new, empty, or a previous demo output whose own files are removed.
+
+    Raises:
+        ConfigError: ``out`` is a link or not a directory, holds data the demo did not write
+            (or cannot tell), or cannot be written.
+    """
+    if out.is_symlink():
+        raise ConfigError(f"--out {out} is a symbolic link", "the demo never writes or deletes "
+                          "through a link", "pass the directory it points to, or another --out")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is not a directory", "", "pass a directory path")
     if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise ConfigError(f"{out} exists and was not made by `enginetap demo`",
-                              "the demo never deletes data it did not write",
-                              "pass another --out, or remove the directory yourself")
-        shutil.rmtree(out)  # our own previous demo output: datasets are never overwritten
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("made by enginetap demo\n")
+        _remove_previous(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create --out {out}", exc.strerror or str(exc),
+                          "pass a writable directory path") from None
+    _write_marker(out, None)  # before anything else: a re-run after a crash recognises it
+
+
+def _write_marker(out: Path, files: list[str] | None) -> None:
+    from enginetap.dataset.atomic import replace_text
+
+    text = json.dumps({"made_by": "enginetap demo", "dataset_files": files}, indent=1) + "\n"
+    try:
+        replace_text(out / MARKER, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out / MARKER}", exc.strerror or str(exc),
+                          "pass a writable --out directory") from None
+
+
+def _remove_previous(out: Path) -> None:
+    """Delete the files a previous demo listed in its marker, and then its empty folders."""
+    listed = _listed_files(out)
+    dataset = out / "dataset"
+    if not dataset.exists() and not dataset.is_symlink():
+        return
+    files, others = _tree(dataset)
+    foreign = sorted(others + [f for f in files if f not in set(listed or [])])
+    if listed is None:
+        why = f"{dataset} is from a demo run that did not finish (its files are unlisted)"
+    elif foreign:
+        why = f"{dataset} holds {foreign[0]!r}, which the demo did not write"
+    if listed is None or foreign:
+        raise ConfigError(f"{out} is not only the demo's own output", why,
+                          "move that data elsewhere or pass another --out")
+    try:
+        for rel in files:
+            (dataset / rel).unlink()
+        for folder, _, _ in sorted(os.walk(dataset), key=lambda w: -len(w[0])):
+            Path(folder).rmdir()
+    except OSError as exc:
+        raise ConfigError(f"cannot remove the previous demo output in {dataset}",
+                          exc.strerror or str(exc), "remove it yourself") from None
+
+
+def _listed_files(out: Path) -> list[str] | None:
+    """The dataset files the marker lists (``None``: not listed); refuses a non-demo folder."""
+    marker = out / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        raise ConfigError(f"{out} exists and was not made by `enginetap demo`",
+                          "the demo never deletes data it did not write",
+                          "pass another --out, or remove the directory yourself")
+    try:
+        files = json.loads(marker.read_bytes()).get("dataset_files")
+    except (ValueError, AttributeError, OSError):
+        return None  # an older demo's marker: it listed nothing
+    return files if isinstance(files, list) else None
+
+
+def _tree(root: Path) -> tuple[list[str], list[str]]:
+    """Regular files under ``root`` and everything else (links, FIFOs...), relative; links
+    are never followed."""
+    if root.is_symlink() or not root.is_dir():
+        return [], ["."]
+    files, others = [], []
+    for folder, dirs, names in os.walk(root):
+        for name in names + [d for d in dirs if (Path(folder) / d).is_symlink()]:
+            path = Path(folder) / name
+            rel = str(path.relative_to(root))
+            (files if path.is_file() and not path.is_symlink() else others).append(rel)
+    return files, others
 
 
 def _build(model: str) -> Path:
     from enginetap.models import build_model
 
-    with console.status(f"building built-in model {model!r} (cached after the first run)"):
+    with console.status(escape(f"building built-in model {model!r} (cached after the first run)")):
         path = build_model(model)
-    console.print(f"[bold]1. model[/] {model}: {path}")
+    console.print(f"[bold]1. model[/] {escape(model)}: {escape(str(path))}")
     return path
 
 
@@ -119,7 +202,8 @@ def _write_dataset(root: Path, model_dir: Path, workloads: int) -> Path:
     with console.status("writing synthetic workloads"):
         names = [synthesize(dataset, t, values, workloads=workloads, seed=i).name
                  for i, (t, values) in enumerate(wanted)]
-    console.print(f"[bold]3. dataset[/] {root}: {len(names)} definitions × {workloads} workloads")
+    console.print(f"[bold]3. dataset[/] {escape(str(root))}: {len(names)} definitions × "
+                  f"{workloads} workloads")
     return root
 
 

@@ -1,4 +1,9 @@
-"""`enginetap guard` commands: pin engine sources into a lock file, check them for drift."""
+"""`enginetap guard` commands: pin engine sources into a lock file, check them for drift.
+
+Targets are imported and read in a child process (:class:`enginetap.guard.lock.IsolatedReader`):
+a module that exits while imported is reported as unreadable, never ends the command with
+its own exit code. Everything printed is plain text (no rich markup read from paths or names).
+"""
 
 from __future__ import annotations
 
@@ -33,16 +38,18 @@ def pin(
     path: SysPath = [],  # noqa: B006 (typer reads the default, never mutates it)
 ) -> None:
     """Hash each target's source and record its package version in a lock file."""
+    from enginetap.guard.lock import IsolatedReader
     from enginetap.guard.lock import pin as pin_targets
 
     _extend_sys_path(path)
-    lock = pin_targets(targets)
+    with IsolatedReader() as reader:
+        lock = pin_targets(targets, read=reader)
     lock.save(output)
     for entry in lock.entries:
         where = f"{entry.distribution} {entry.version}" if entry.distribution else "no distribution"
         out.print(f"pinned {entry.target} ({entry.kind}) {entry.digest[:16]} ({where})",
                   markup=False)
-    out.print(f"wrote {output} ({len(lock.entries)} target(s), {lock.algorithm})")
+    out.print(f"wrote {output} ({len(lock.entries)} target(s), {lock.algorithm})", markup=False)
 
 
 @app.command()
@@ -51,14 +58,16 @@ def check(
     path: SysPath = [],  # noqa: B006
 ) -> None:
     """Exit 1 listing every target that changed, vanished or cannot be read."""
-    from enginetap.guard.lock import GuardLock, diff_lock
+    from enginetap.guard.lock import GuardLock, IsolatedReader, diff_lock
 
     _extend_sys_path(path)
     loaded = GuardLock.load(lock)
-    drifts = diff_lock(loaded)
+    with IsolatedReader() as reader:
+        drifts = diff_lock(loaded, read=reader)
     for drift in drifts:
         out.print(f"DRIFT {drift}", style="red", markup=False)
     if drifts:
-        out.print(f"{len(drifts)} of {len(loaded.entries)} target(s) drifted from {lock}")
+        out.print(f"{len(drifts)} of {len(loaded.entries)} target(s) drifted from {lock}",
+                  markup=False)
         raise typer.Exit(1)
-    out.print(f"ok: {len(loaded.entries)} target(s) match {lock}")
+    out.print(f"ok: {len(loaded.entries)} target(s) match {lock}", markup=False)

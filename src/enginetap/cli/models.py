@@ -7,7 +7,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from enginetap.errors import ConfigError
 
 app = typer.Typer(help="Built-in tiny models (random weights, real architectures).",
                   no_args_is_help=True)
@@ -27,7 +30,8 @@ def list_models() -> None:
         config = model_config(name)
         folder = default_model_dir(name)
         cached = str(folder) if is_complete(folder, name, 0) else "-"
-        table.add_row(name, config["architectures"][0], str(config["num_hidden_layers"]), cached)
+        table.add_row(name, config["architectures"][0], str(config["num_hidden_layers"]),
+                      escape(cached))
     out.print(table)
 
 
@@ -40,10 +44,19 @@ def build(
     force: bool = typer.Option(False, "--force", help="Rebuild even if a complete build exists."),
 ) -> None:
     """Build a model folder that transformers and vLLM load; print its path."""
+    from safetensors import SafetensorError
+
     from enginetap.models import build_model
 
-    with err.status(f"building {name} (seed {seed})") as status:
-        path = build_model(name, out_dir=out_dir, seed=seed, force=force,
-                           progress=lambda label: status.update(f"{name}: {label}"))
-    err.print(f"[green]built[/] {name} (seed {seed})")
-    out.print(str(path), highlight=False, soft_wrap=True)
+    with err.status(escape(f"building {name} (seed {seed})")) as status:
+        try:
+            path = build_model(name, out_dir=out_dir, seed=seed, force=force,
+                               progress=lambda label: status.update(escape(f"{name}: {label}")))
+        except (OSError, SafetensorError) as exc:  # safetensors reports a full disk itself
+            # The builder works in a scratch folder it removes on failure: nothing is left.
+            where = out_dir if out_dir is not None else "the model cache"
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(f"cannot build {name} in {where}", why,
+                              "pass --out a writable directory with room on its disk") from None
+    err.print(f"[green]built[/] {escape(name)} (seed {seed})")
+    out.print(str(path), highlight=False, soft_wrap=True, markup=False)

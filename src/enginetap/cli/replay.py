@@ -8,7 +8,6 @@ The status is set with ``sys.exit``: under ``standalone_mode=False`` (how
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -59,9 +58,6 @@ def replay(
     from enginetap.replay import replay_dataset
     from enginetap.replay.report import print_report, summary_line
 
-    if solution and os.getcwd() not in sys.path:
-        # As `python -m` would: a solution module next to where the user runs the command.
-        sys.path.insert(0, os.getcwd())
     report = replay_dataset(dataset, definitions=definition, solution=solution,
                             trust_dataset_code=trust_dataset_code, device=device,
                             warmup=warmup, repeats=repeats, progress=err.is_terminal)
@@ -73,8 +69,10 @@ def replay(
 
 
 def _write_json(path: Path, text: str) -> None:
+    from enginetap.dataset.atomic import replace_text
+
     try:
-        path.write_text(text)
+        replace_text(path, text)  # a failed write leaves no truncated report behind
     except OSError as exc:
         raise EnginetapError(f"cannot write the report to {path}", exc.strerror or str(exc),
                              "pass a --json path in a writable directory") from None

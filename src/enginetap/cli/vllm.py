@@ -9,8 +9,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from enginetap.config import capability_names
+from enginetap.errors import ConfigError
 
 app = typer.Typer(help="vLLM: serve armed, merge per-rank outputs.", no_args_is_help=True)
 
@@ -62,16 +64,16 @@ def serve(
     config = _arming("" if arm.strip().lower() == "none" else arm, out_dir, requests)
     server = VLLMServer(model_dir, args=list(ctx.args), arm=config, port=port, log_path=log,
                         startup_timeout=timeout)
-    with err.status(f"starting vLLM for {model_dir} (log: {server.log_path})"):
+    with err.status(escape(f"starting vLLM for {model_dir} (log: {server.log_path})")):
         server.start()
-    err.print(f"[green]serving[/] {model_dir} at {server.url} "
+    err.print(f"[green]serving[/] {escape(str(model_dir))} at {escape(server.url)} "
               f"({'armed: ' + ', '.join(config.capabilities) if config else 'disarmed'}); "
               f"Ctrl-C stops it")
-    out.print(server.url, highlight=False)
+    out.print(server.url, highlight=False, markup=False)
     try:
         while server.process is not None and server.process.poll() is None:
             time.sleep(1.0)
-        err.print(f"[red]the server exited[/]; log tail:\n{server.log_tail()}")
+        err.print(f"[red]the server exited[/]; log tail:\n{escape(server.log_tail())}")
         raise typer.Exit(1)
     except KeyboardInterrupt:
         err.print("stopping the server")
@@ -92,7 +94,25 @@ def merge(
     """Merge per-rank JSONL files into one, ordered by (step, rank); print its path."""
     from enginetap.core.ranks import merge_rank_files, rank_files
 
-    ranks = sorted(rank_files(out_dir / name))
-    merged = merge_rank_files(out_dir / name, to)
-    err.print(f"[green]merged[/] ranks {', '.join(map(str, ranks))}")
-    out.print(str(merged), highlight=False, soft_wrap=True)
+    files = rank_files(out_dir / name)
+    target = to if to is not None else out_dir / name
+    try:
+        _refuse_target(target, list(files.values()))
+        merged = merge_rank_files(out_dir / name, to)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the merged file {target}", exc.strerror or str(exc),
+                          "pass --to a writable file path with room on its disk") from None
+    err.print(f"[green]merged[/] ranks {', '.join(map(str, sorted(files)))}")
+    out.print(str(merged), highlight=False, soft_wrap=True, markup=False)
+
+
+def _refuse_target(target: Path, inputs: list[Path]) -> None:
+    """The merged file must not replace one of its inputs, nor a directory."""
+    if target.is_dir():
+        raise ConfigError(f"--to {target} is a directory", "the merged file is one file",
+                          "pass a file path, e.g. --to merged.jsonl")
+    for source in inputs:
+        if target.resolve() == source.resolve() or (target.exists() and target.samefile(source)):
+            raise ConfigError(f"--to {target} is one of the files being merged",
+                              "writing it would destroy that rank's records",
+                              "pass another --to path")

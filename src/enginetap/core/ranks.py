@@ -239,10 +239,10 @@ def merge_rank_files(path: str | Path, out: str | Path | None = None) -> Path:
         with partial.open("w", encoding="utf-8") as sink:
             for _, _, _, line in heapq.merge(*streams):
                 sink.write(line if line.endswith("\n") else line + "\n")
+        partial.replace(target)  # inside: a refused rename must not leave the partial file
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    partial.replace(target)
     return target
 
 

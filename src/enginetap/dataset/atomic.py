@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from enginetap.errors import DatasetError
 
-__all__ = ["append_line", "write_new_file", "write_new_text"]
+__all__ = ["append_line", "replace_text", "write_new_file", "write_new_text"]
 
 
 def write_new_file(path: Path, fill: Callable[[Path], None]) -> None:
@@ -47,6 +48,26 @@ def write_new_file(path: Path, fill: Callable[[Path], None]) -> None:
 def write_new_text(path: Path, text: str) -> None:
     """Create ``path`` atomically with UTF-8 ``text``; same guarantees as :func:`write_new_file`."""
     write_new_file(path, lambda tmp: tmp.write_bytes(text.encode("utf-8")))
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` atomically with UTF-8 ``text``, replacing the file there if any.
+
+    For files outside datasets that are meant to be rewritten (a guard lock): a crash or a
+    full disk leaves the old file whole, never a truncated one.
+
+    Raises:
+        OSError: the disk refused the write; the old file and no temporary file are left.
+    """
+    path = Path(os.path.abspath(path))  # "." and "dir/.." name a directory, not a file
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.new")
+    write_new_text(tmp, text)  # durable under its own name first
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
 
 
 def append_line(path: Path, line: str) -> None:

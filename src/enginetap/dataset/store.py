@@ -61,7 +61,8 @@ class Dataset:
         if not path.is_dir():
             why = "it is not a directory" if path.exists() else "the directory does not exist"
             raise DatasetError(f"no dataset at {path}", why,
-                               "give an existing dataset root, or create one (create=True)")
+                               "give the path of an existing dataset root (the directory "
+                               "that holds definitions/ and workloads/)")
         self.root = path.resolve()
         self._known: dict[str, DefinitionFile] = {}
         self._uuids: dict[str, set[str]] = {}

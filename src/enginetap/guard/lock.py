@@ -1,26 +1,38 @@
 """Drift lock: pin the engine sources a patch relies on, refuse to run when they change.
 
 ``pin([...])`` hashes every target (see :mod:`enginetap.guard.source`) and records the
-version of the distribution it came from; ``GuardLock.save`` writes it as sorted JSON.
-``check_lock(lock)`` re-reads every target and raises one :class:`DriftError` listing all
-that changed, vanished or cannot be read. A version change alone is not drift: the lock
-protects code, and the version is reported beside a hash change to say where it came from.
+version of the distribution it came from; ``GuardLock.save`` writes it as sorted JSON,
+atomically (a full disk leaves the old lock whole). ``check_lock(lock)`` re-reads every
+target and raises one :class:`DriftError` listing all that changed, vanished or cannot be
+read. A version change alone is not drift: the lock protects code, and the version is
+reported beside a hash change to say where it came from. A lock pins at least one target:
+an empty one would pass every check while guarding nothing.
+
+Reading a target imports its module. In an engine that is already importing it, that
+happens in process; the command line reads targets through :class:`IsolatedReader`, in a
+child process, so that a module calling ``sys.exit`` or ``os._exit`` at import makes that
+target unreadable instead of ending the command with the module's exit code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from enginetap.errors import ConfigError, ProblemsError
-from enginetap.guard.source import ALGORITHM, Unreadable, Vanished, read_target
+from enginetap.core.isolated import Child, ChildDied
+from enginetap.errors import ConfigError, PatchError, ProblemsError
+from enginetap.guard.source import ALGORITHM, TargetSource, Unreadable, Vanished, read_target
 
-__all__ = ["Drift", "DriftError", "GuardLock", "LockEntry", "check_lock", "diff_lock", "pin"]
+__all__ = ["Drift", "DriftError", "GuardLock", "IsolatedReader", "LockEntry", "check_lock",
+           "diff_lock", "pin"]
+
+Reader = Callable[[str], TargetSource]
 
 
 class LockEntry(BaseModel):
@@ -47,16 +59,27 @@ class GuardLock(BaseModel):
 
     algorithm: Literal["sha256"] = ALGORITHM
     """Hash algorithm of every ``digest``."""
-    entries: list[LockEntry]
-    """Pinned targets, sorted by target."""
+    entries: list[LockEntry] = Field(min_length=1)
+    """Pinned targets, sorted by target (at least one)."""
 
     def model_post_init(self, context: object) -> None:
         self.entries = sorted(self.entries, key=lambda e: e.target)
 
     def save(self, path: str | Path) -> Path:
-        """Write the lock as indented JSON with sorted keys; returns the path."""
+        """Write the lock as indented JSON with sorted keys, atomically; returns the path.
+
+        Raises:
+            ConfigError: the file cannot be written (the old one, if any, is left whole).
+        """
+        from enginetap.dataset.atomic import replace_text
+
         path = Path(path)
-        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
+        text = json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        try:
+            replace_text(path, text)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the guard lock {path}", exc.strerror or str(exc),
+                              "write it to a writable file path with room on its disk") from None
         return path
 
     @classmethod
@@ -68,10 +91,13 @@ class GuardLock(BaseModel):
         """
         path = Path(path)
         try:
-            return cls.model_validate_json(path.read_text())
+            return cls.model_validate_json(path.read_bytes())
         except FileNotFoundError:
             raise ConfigError(f"guard lock {path} not found", "the patch or command names it",
                               "create it with 'enginetap guard pin TARGET... -o FILE'") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read the guard lock {path}", exc.strerror or str(exc),
+                              "point at the lock file 'enginetap guard pin' wrote") from None
         except ValidationError as exc:
             raise ConfigError(f"{path} is not a valid guard lock", _first_error(exc),
                               "re-create it with 'enginetap guard pin'") from None
@@ -108,17 +134,22 @@ class DriftError(ProblemsError):
                          "'enginetap guard pin' (or pin the engine version the lock was made for)")
 
 
-def pin(targets: Iterable[str]) -> GuardLock:
-    """Hash every target now and return the lock.
+def pin(targets: Iterable[str], read: Reader = read_target) -> GuardLock:
+    """Hash every target now (each read by ``read``) and return the lock.
 
     Raises:
+        ConfigError: no target given.
         ProblemsError: one line for each target that is missing or has no readable source.
         PatchError: a target is not a ``"module:Qualname"`` string.
     """
     entries, problems = [], []
-    for spec in dict.fromkeys(targets):
+    specs = list(dict.fromkeys(targets))
+    if not specs:
+        raise ConfigError("nothing to pin", "a lock needs at least one target",
+                          "name targets as 'package.module:Qualname'")
+    for spec in specs:
         try:
-            found = read_target(spec)
+            found = read(spec)
         except (Vanished, Unreadable) as exc:
             problems.append(f"{spec}: {exc}")
             continue
@@ -130,8 +161,9 @@ def pin(targets: Iterable[str]) -> GuardLock:
     return GuardLock(entries=entries)
 
 
-def diff_lock(lock: GuardLock | str | Path) -> list[Drift]:
-    """Every difference between the lock and the code importable now (empty: no drift).
+def diff_lock(lock: GuardLock | str | Path, read: Reader = read_target) -> list[Drift]:
+    """Every difference between the lock and the code importable now (empty: no drift);
+    each target is read by ``read``.
 
     Raises:
         ConfigError: ``lock`` is a path that cannot be read as a guard lock.
@@ -140,7 +172,7 @@ def diff_lock(lock: GuardLock | str | Path) -> list[Drift]:
     drifts = []
     for entry in lock.entries:
         try:
-            found = read_target(entry.target)
+            found = read(entry.target)
         except Vanished as exc:
             drifts.append(Drift(entry.target, "vanished", entry.digest, None, str(exc)))
             continue
@@ -172,3 +204,50 @@ def check_lock(lock: GuardLock | str | Path) -> None:
     drifts = diff_lock(lock)
     if drifts:
         raise DriftError(drifts, str(lock) if not isinstance(lock, GuardLock) else "guard lock")
+
+
+class IsolatedReader:
+    """:func:`read_target` in a child process with this process's ``sys.path`` at first use.
+
+    A target whose module raises ``SystemExit``/``KeyboardInterrupt`` or ends its process
+    (``os._exit``, a crash) while imported or read is :class:`Unreadable`; the child is
+    started again for the next target.
+    """
+
+    def __init__(self) -> None:
+        self._child = Child("enginetap.guard.lock:_serve_read")
+
+    def __call__(self, spec: str) -> TargetSource:
+        """Raises: as :func:`read_target`."""
+        try:
+            reply = self._child.request({"target": spec})
+        except ChildDied as exc:
+            raise Unreadable(f"importing it failed: {exc}") from None
+        if "found" in reply:
+            return TargetSource(**reply["found"])
+        if "vanished" in reply:
+            raise Vanished(reply["vanished"])
+        if "patch_error" in reply:
+            raise PatchError(*reply["patch_error"])
+        raise Unreadable(reply.get("unreadable") or f"importing it raised {reply['error']}")
+
+    def close(self) -> None:
+        self._child.close()
+
+    def __enter__(self) -> IsolatedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve_read(message: dict[str, Any]) -> dict[str, Any]:
+    """The child's side of :class:`IsolatedReader`."""
+    try:
+        return {"found": dataclasses.asdict(read_target(message["target"]))}
+    except Vanished as exc:
+        return {"vanished": str(exc)}
+    except Unreadable as exc:
+        return {"unreadable": str(exc)}
+    except PatchError as exc:
+        return {"patch_error": [exc.what, exc.why, exc.fix]}

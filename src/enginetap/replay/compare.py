@@ -23,7 +23,10 @@ float8_e5m2         2.5e-1    2.5e-1
 ``max_abs_error`` is the largest ``|actual - expected|`` over elements finite in both;
 ``max_rel_error`` the largest ``|actual - expected| / |expected|`` over those with a
 non-zero expected value; ``matched_ratio`` the fraction of elements that match. The output
-passes only when every element matches.
+passes only when every element matches. Mismatches where either side is NaN or infinite
+are not in those maxima: they are counted (``nonfinite``, ``unexpected_nan``,
+``missing_nan``), and ``first_mismatch`` names the first element that differs with both
+values, so that a failure never reads as an error of 0.
 
 ``exact``: every element equal (NaN equals NaN at the same place); the numbers are reported
 as for ``float``. Packed fp4 (``float4_e2m1fn_x2``), which torch cannot convert, is always
@@ -88,6 +91,12 @@ class Comparison(BaseModel):
     matched_ratio: float = 1.0
     unexpected_nan: int = 0
     """NaNs in the actual tensor where the expected one has none."""
+    missing_nan: int = 0
+    """Numbers in the actual tensor where the expected one has NaN."""
+    nonfinite: int = 0
+    """Differing elements where either side is NaN or infinite (outside the error maxima)."""
+    first_mismatch: str | None = None
+    """The first differing element: ``[i, j]: expected x, got y``."""
     ties: int = 0
     """``selection`` rows accepted because the differing indices' scores tie."""
 
@@ -171,13 +180,15 @@ def _compare_elements(rule: CompareRule, expected: torch.Tensor, actual: torch.T
         atol = rtol = None
         ok = (e == a) | both_nan if expected.is_floating_point() else expected == actual
     matched, total = int(ok.sum()), ok.numel()
-    unexpected_nan = int((a.isnan() & ~e.isnan()).sum())
+    nans = {"unexpected_nan": int((a.isnan() & ~e.isnan()).sum()),
+            "missing_nan": int((e.isnan() & ~a.isnan()).sum())}
+    first = _first_mismatch(~ok, expected, actual) if matched != total else None
     return Comparison(
-        passed=matched == total, reason=_element_reason(matched, total, unexpected_nan),
+        passed=matched == total, reason=_element_reason(matched, total, nans, first),
         atol=atol, rtol=rtol, max_abs_error=_max_or_none(diff[finite]),
         max_rel_error=_max_or_none((diff / e.abs())[finite & (e != 0)]),
         matched=matched, total=total, matched_ratio=matched / total if total else 1.0,
-        unexpected_nan=unexpected_nan, **base)
+        nonfinite=int((~ok & ~finite).sum()), first_mismatch=first, **nans, **base)
 
 
 def _tolerance(rule: CompareRule, dtype: torch.dtype) -> tuple[float, float]:
@@ -185,11 +196,27 @@ def _tolerance(rule: CompareRule, dtype: torch.dtype) -> tuple[float, float]:
     return (atol if rule.atol is None else rule.atol, rtol if rule.rtol is None else rule.rtol)
 
 
-def _element_reason(matched: int, total: int, unexpected_nan: int) -> str | None:
+def _element_reason(matched: int, total: int, nans: dict[str, int],
+                    first: str | None) -> str | None:
     if matched == total:
         return None
+    notes = []
+    if nans["unexpected_nan"]:
+        notes.append(f"{nans['unexpected_nan']} NaN where none expected")
+    if nans["missing_nan"]:
+        notes.append(f"{nans['missing_nan']} number(s) where NaN expected")
     reason = f"{total - matched} of {total} elements differ"
-    return reason + (f" ({unexpected_nan} NaN where none expected)" if unexpected_nan else "")
+    reason += f" ({'; '.join(notes)})" if notes else ""
+    return reason + (f"; first at {first}" if first else "")
+
+
+def _first_mismatch(bad: torch.Tensor, expected: torch.Tensor, actual: torch.Tensor) -> str:
+    import torch
+
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape)]
+    want, got = expected.reshape(-1)[flat].item(), actual.reshape(-1)[flat].item()
+    return f"{index}: expected {want:.6g}, got {got:.6g}"
 
 
 def _max_or_none(values: torch.Tensor) -> float | None:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, computed_field
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from enginetap.replay.compare import Comparison
@@ -149,7 +150,8 @@ def render_tables(report: ReplayReport) -> list[Table]:
 
 
 def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
-    title = f"{result.name}  {_status(result.status)}  (reference: {result.reference})"
+    # Names, uuids and outputs are dataset data: escaped, so that no markup is read in them.
+    title = f"{escape(result.name)}  {_status(result.status)}  (reference: {result.reference})"
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("workload", "output", *(["check"] if with_candidate else []), "status"):
         table.add_column(col, no_wrap=True)
@@ -161,7 +163,7 @@ def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
         if with_candidate:
             timing += [_num(w.candidate_ms, ".3f"), _num(w.speedup, ".2f", "x")]
         for c in w.checks or [None]:
-            cells = [w.uuid[:8], c.output if c else "-"]
+            cells = [escape(w.uuid[:8]), escape(c.output) if c else "-"]
             cells += [c.check if c else "-"] if with_candidate else []
             cells += [_status(c.status if c else w.status), *_numbers(c and c.comparison)]
             table.add_row(*cells, *timing)
@@ -193,8 +195,11 @@ def _status(status: Status) -> str:
 def _numbers(comparison: Comparison | None) -> list[str]:
     if comparison is None:
         return ["-", "-", "-"]
-    return [_num(comparison.max_abs_error, ".3g"), _num(comparison.max_rel_error, ".3g"),
-            f"{100 * comparison.matched_ratio:.2f}%"]
+    errors = [_num(comparison.max_abs_error, ".3g"), _num(comparison.max_rel_error, ".3g")]
+    if comparison.nonfinite:
+        # The maxima cover finite elements only: a NaN/inf mismatch must not read as 0.
+        errors = [f"{comparison.nonfinite} NaN/inf"] * 2
+    return [*errors, f"{100 * comparison.matched_ratio:.2f}%"]
 
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:

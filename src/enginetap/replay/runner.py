@@ -11,8 +11,11 @@ have the definition's shapes and dtypes, then compare it with the stored engine 
 family's :class:`CompareRule` per output (no family: integers and bools exact, floats by
 tolerance). Problems with the dataset itself (``validate_dataset``) are listed in the report
 and make it fail; what can still be read is replayed anyway, and a workload that cannot be
-loaded is an ERROR row. Nothing here lets an exception from dataset or user code escape:
-it becomes a one-line message on the row it concerns.
+loaded is an ERROR row. A workload where nothing was compared (no stored engine outputs and
+no candidate) FAILS. Nothing here lets an exception from dataset or user code escape: it
+becomes a one-line message on the row it concerns. Candidates and trusted dataset references
+run in a child process (:mod:`enginetap.replay.execution`), so that ``sys.exit``,
+``KeyboardInterrupt``, ``os._exit`` or a crash in them is an ERROR row too.
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ from enginetap.replay.report import (
     WorkloadResult,
     worst,
 )
-from enginetap.replay.solution import (
-    CallPlan,
-    load_solution,
-    poison_left,
-    scrub_freed_memory,
+from enginetap.core.isolated import Child, one_line
+from enginetap.replay.execution import (
+    Called,
+    ChildFunction,
+    FunctionFailed,
+    LocalFunction,
+    Timing,
+    child,
 )
-from enginetap.replay.timing import median_ms
+from enginetap.replay.solution import nbytes, poison_left
 
 if TYPE_CHECKING:
     import torch
@@ -80,16 +86,24 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
                             else None, solution=solution, trust_dataset_code=trust_dataset_code,
                             device=device, warmup=warmup, repeats=repeats)
     _check_options(options)
-    candidate = load_solution(solution) if solution else None
     dataset = Dataset(root)
-    report = ReplayReport(options=options, problems=validate_dataset(root),
-                          created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                          enginetap_version=__version__, torch_version=torch.__version__)
-    plan = _plan(dataset, options.definitions, report)
-    with _Progress(progress, sum(len(lines) for _, lines in plan)) as bar:
-        for definition, lines in plan:
-            report.definitions.append(
-                _replay_definition(dataset, definition, lines, candidate, options, bar.advance))
+    candidate = ChildFunction(solution=solution) if solution else None
+    trusted = child()  # one process for every trusted dataset reference, started if needed
+    try:
+        if candidate is not None:
+            candidate.start()
+        report = ReplayReport(options=options, problems=validate_dataset(root),
+                              created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                              enginetap_version=__version__, torch_version=torch.__version__)
+        plan = _plan(dataset, options.definitions, report)
+        with _Progress(progress, sum(len(lines) for _, lines in plan)) as bar:
+            for definition, lines in plan:
+                report.definitions.append(_replay_definition(
+                    dataset, definition, lines, (candidate, trusted), options, bar.advance))
+    finally:
+        trusted.close()
+        if candidate is not None:
+            candidate.close()
     return report
 
 
@@ -131,30 +145,27 @@ def _plan(dataset: Dataset, names: list[str] | None,
     return plan
 
 
-def _one_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` (never a traceback)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 @dataclass
 class _Reference:
-    run: Callable[..., Any]
+    run: LocalFunction | ChildFunction
     rules: dict[str, CompareRule]
     source: str
 
 
-def _resolve_reference(definition: Definition, trust_dataset_code: bool) -> _Reference | str:
+def _resolve_reference(definition: Definition, trust_dataset_code: bool,
+                       trusted: Child) -> _Reference | str:
     """The reference to run for ``definition``, or the reason it is refused.
 
+    Trusted dataset source runs in the child process ``trusted``, like a candidate.
+
     Raises:
-        DefinitionError: the reference source defines no ``run``.
-        Exception: whatever trusted dataset source raises when executed.
+        DefinitionError: enginetap's regenerated source defines no ``run``.
+        FunctionFailed: the trusted source cannot be loaded (it raised or ended its process).
     """
     template = known_template(definition)
     if template is not None:
         ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
-        return _Reference(compile_reference(ours.reference, definition.name),
+        return _Reference(LocalFunction(compile_reference(ours.reference, definition.name)),
                           _rules(definition, template), "enginetap")
     family = templates().get(family_of(definition) or "")
     if not trust_dataset_code:
@@ -162,18 +173,26 @@ def _resolve_reference(definition: Definition, trust_dataset_code: bool) -> _Ref
                f"{family.family!r} (edited, or made by another enginetap version)"
                if family is not None else "its reference is not from a known enginetap family")
         return f"{why}; dataset code runs only with {TRUST_FLAG}"
-    return _Reference(compile_reference(definition.reference, definition.name),
-                      _rules(definition, family), "dataset")
+    run = ChildFunction(trusted, reference=definition.reference, name=definition.name)
+    try:
+        run.start()
+    except BaseException:
+        run.close()
+        raise
+    return _Reference(run, _rules(definition, family), "dataset")
 
 
-def _load_reference(definition: Definition,
-                    trust_dataset_code: bool) -> _Reference | DefinitionResult:
+def _load_reference(definition: Definition, trust_dataset_code: bool,
+                    trusted: Child) -> _Reference | DefinitionResult:
     """The reference to run, or the REFUSED/ERROR result of the whole definition."""
     try:
-        reference = _resolve_reference(definition, trust_dataset_code)
-    except Exception as exc:  # trusted dataset source may raise anything when executed
+        reference = _resolve_reference(definition, trust_dataset_code, trusted)
+    except FunctionFailed as exc:
         return DefinitionResult(name=definition.name, status="ERROR",
-                                message=f"its reference cannot be loaded: {_one_line(exc)}")
+                                message=f"its reference cannot be loaded: {exc}")
+    except Exception as exc:  # e.g. a known family's regenerated source: report, go on
+        return DefinitionResult(name=definition.name, status="ERROR",
+                                message=f"its reference cannot be loaded: {one_line(exc)}")
     if isinstance(reference, str):
         return DefinitionResult(name=definition.name, status="REFUSED", message=reference)
     return reference
@@ -192,18 +211,23 @@ def _rules(definition: Definition, template: Template | None) -> dict[str, Compa
 
 
 def _replay_definition(dataset: Dataset, definition: Definition, lines: list[WorkloadLine],
-                       candidate: Callable[..., Any] | None, options: ReplayOptions,
+                       processes: tuple[ChildFunction | None, Child], options: ReplayOptions,
                        advance: Callable[[], None]) -> DefinitionResult:
-    reference = _load_reference(definition, options.trust_dataset_code)
+    """``processes``: the candidate (if any) and the child for trusted references."""
+    candidate, trusted = processes
+    reference = _load_reference(definition, options.trust_dataset_code, trusted)
     if isinstance(reference, DefinitionResult):
         for _ in lines:
             advance()
         return reference
     replay = _WorkloadReplay(dataset, definition, reference, candidate, options)
     results = []
-    for line in lines:
-        results.append(replay.run(line))
-        advance()
+    try:
+        for line in lines:
+            results.append(replay.run(line))
+            advance()
+    finally:
+        reference.run.close()
     return DefinitionResult(name=definition.name, status=worst([w.status for w in results]),
                             reference=reference.source, workloads=results)
 
@@ -224,9 +248,10 @@ class _WorkloadReplay:
     """Replays single workloads of one definition."""
 
     def __init__(self, dataset: Dataset, definition: Definition, reference: _Reference,
-                 candidate: Callable[..., Any] | None, options: ReplayOptions) -> None:
+                 candidate: ChildFunction | None, options: ReplayOptions) -> None:
         self.dataset, self.definition, self.reference = dataset, definition, reference
-        self.candidate, self.options, self.device = candidate, options, options.device
+        self.candidate, self.device = candidate, options.device
+        self.timing = Timing(options.device, options.warmup, options.repeats)
 
     def run(self, line: WorkloadLine) -> WorkloadResult:
         uuid, axes = line.workload.uuid, line.workload.axes
@@ -237,26 +262,30 @@ class _WorkloadReplay:
             return WorkloadResult(uuid=uuid, status="ERROR", message=str(exc))
         except Exception as exc:  # stored files are untrusted input; report, do not crash
             return WorkloadResult(uuid=uuid, status="ERROR",
-                                  message=f"cannot load it: {_one_line(exc)}")
-        ref_plan = CallPlan(self.definition)
+                                  message=f"cannot load it: {one_line(exc)}")
         try:
-            expected = _call(self.reference.run, ref_plan, inputs, axes, self.device)
-            self._check_conforms(expected, axes)
-            ref_ms = self._time(self.reference.run, ref_plan, inputs, axes)
-        except Exception as exc:  # reference code (ours or trusted) may raise anything
-            return WorkloadResult(uuid=uuid, status="ERROR",
-                                  message=f"reference failed: {_one_line(exc)}")
-        data = _Workload(axes, inputs, engine, expected)
+            called = self.reference.run.call(self.definition, inputs, axes, self.timing)
+            self._check_conforms(called.outputs, axes)
+        except (FunctionFailed, ValueError) as exc:
+            return WorkloadResult(uuid=uuid, status="ERROR", message=f"reference failed: {exc}")
+        data = _Workload(axes, inputs, engine, called.outputs)
         checks = self._engine_checks(data)
         cand_ms = None
         if self.candidate is not None:
             candidate_checks, cand_ms = self._candidate_checks(self.candidate, data)
             checks += candidate_checks
         if not checks:
-            checks = [OutputCheck(output="-", check="reference", status="PASS",
-                                  message="no engine outputs stored; only the reference ran")]
+            checks = [OutputCheck(output="-", check="reference", status="FAIL",
+                                  message=self._nothing_compared())]
         return WorkloadResult(uuid=uuid, status=worst([c.status for c in checks]),
-                              reference_ms=ref_ms, candidate_ms=cand_ms, checks=checks)
+                              reference_ms=called.ms, candidate_ms=cand_ms, checks=checks)
+
+    def _nothing_compared(self) -> str:
+        # A replay that compared nothing proves nothing: it must not read as a PASS.
+        if not self.definition.outputs:
+            return "nothing compared: the definition has no outputs"
+        return ("nothing compared: no engine outputs are stored for this workload and no "
+                "--solution was given; only the reference ran")
 
     def _check_conforms(self, outputs: Mapping[str, torch.Tensor], axes: dict[str, int]) -> None:
         from enginetap.dataset.dtypes import name_of
@@ -282,26 +311,24 @@ class _WorkloadReplay:
                                       status="PASS" if comparison.passed else "FAIL"))
         return checks
 
-    def _candidate_checks(self, candidate: Callable[..., Any],
+    def _candidate_checks(self, candidate: ChildFunction,
                           data: _Workload) -> tuple[list[OutputCheck], float | None]:
-        """Run the candidate once on poisoned memory, compare, then time it."""
+        """Run the candidate (in its child) once on poisoned memory and time it; compare."""
         try:
-            plan = CallPlan.for_function(candidate, self.definition)
-            scrub_freed_memory(data.expected, self.device)
-            actual = _call(candidate, plan, data.inputs, data.axes, self.device)
-            checks = [self._candidate_check(name, actual, data, bool(plan.destinations))
-                      for name in self.definition.outputs]
-            return checks, self._time(candidate, plan, data.inputs, data.axes)
-        except Exception as exc:  # the candidate is user code: any failure is its ERROR row
+            called = candidate.call(self.definition, data.inputs, data.axes, self.timing,
+                                    scrub=nbytes(data.expected))
+        except FunctionFailed as exc:  # whatever the candidate did, it is its ERROR row
             return [OutputCheck(output="-", check="candidate", status="ERROR",
-                                message=f"candidate failed: {_one_line(exc)}")], None
+                                message=f"candidate failed: {exc}")], None
+        return [self._candidate_check(name, called, data)
+                for name in self.definition.outputs], called.ms
 
-    def _candidate_check(self, name: str, actual: Mapping[str, torch.Tensor], data: _Workload,
-                         destination: bool) -> OutputCheck:
+    def _candidate_check(self, name: str, called: Called, data: _Workload) -> OutputCheck:
+        actual = called.outputs
         comparison = self._compare(name, data.expected, actual, data)
         vs_engine = (self._compare(name, data.engine, actual, data)
                      if name in data.engine else None)
-        unwritten = poison_left(actual[name], data.expected[name]) if destination else 0
+        unwritten = poison_left(actual[name], data.expected[name]) if called.destination else 0
         message = (f"{unwritten} element(s) never written (still poison)" if unwritten
                    else None)
         passed = comparison.passed and not unwritten
@@ -326,19 +353,7 @@ class _WorkloadReplay:
         except Exception as exc:  # e.g. a dtype torch cannot do arithmetic on here
             return Comparison(kind=rule.kind, passed=False, shape=list(expected.shape),
                               dtype=str(expected.dtype).removeprefix("torch."),
-                              reason=f"cannot compare: {_one_line(exc)}", matched_ratio=0.0)
-
-    def _time(self, function: Callable[..., Any], plan: CallPlan, inputs: Mapping[str, Any],
-              axes: dict[str, int]) -> float | None:
-        return median_ms(function, lambda: plan.prepare(inputs, axes, self.device),
-                         device=self.device, warmup=self.options.warmup,
-                         repeats=self.options.repeats)
-
-
-def _call(function: Callable[..., Any], plan: CallPlan, inputs: Mapping[str, Any],
-          axes: dict[str, int], device: str) -> dict[str, torch.Tensor]:
-    args, kwargs = plan.prepare(inputs, axes, device)
-    return plan.collect(function(*args, **kwargs), args, kwargs)
+                              reason=f"cannot compare: {one_line(exc)}", matched_ratio=0.0)
 
 
 class _Progress:

@@ -1,19 +1,21 @@
 """Calling references and candidate solutions the same way, and checking what they leave.
 
 A candidate is imported from ``module:function`` (or ``path/to/file.py:function``) at the
-user's explicit request. It takes the definition's inputs positionally, in order. If its
-signature also has a parameter for every output name, it is destination-passing: replay
-allocates those buffers, poisoned (NaN for floats, the dtype's minimum for integers; bools
-and packed fp4 have no spare value and start as zeros), passes them by keyword
-(positionally after the inputs when the parameters are positional-only) and reads the
-results from them; an element still holding poison where the reference has another value
-was never written. Otherwise the
+user's explicit request, in the child process :mod:`enginetap.replay.execution` runs it in:
+a module from Python's ``sys.path`` as it is, or that one file loaded by its path (neither
+its directory nor the current one is put on ``sys.path``). It takes the definition's
+inputs positionally, in order. If its signature also has a parameter for every output name,
+it is destination-passing: replay allocates those buffers, poisoned (NaN for floats, the
+dtype's minimum for integers; bools and packed fp4 have no spare value and start as zeros),
+passes them by keyword (positionally after the inputs when the parameters are
+positional-only) and reads the results from them; an element still holding poison where the
+reference has another value was never written. Otherwise the
 candidate returns its outputs: a tensor for one output, a tuple/list in output order or a
 dict by name for several.
 
 Before a candidate runs, :func:`scrub_freed_memory` fills and frees blocks the size of the
 reference's outputs, so that a candidate reading uninitialised memory (``torch.empty``) finds
-NaN bytes there rather than the reference's freshly freed results.
+NaN bytes there rather than freshly freed results of the right shape.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from enginetap.core.isolated import one_line
 from enginetap.dataset.dtypes import torch_dtype
 from enginetap.dataset.schema import Definition
 from enginetap.errors import ConfigError
@@ -34,7 +37,8 @@ from enginetap.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CallPlan", "load_solution", "outputs_as_dict", "poison_left", "scrub_freed_memory"]
+__all__ = ["CallPlan", "load_solution", "nbytes", "outputs_as_dict", "poison_left",
+           "scrub_freed_memory"]
 
 
 def load_solution(spec: str) -> Callable[..., Any]:
@@ -50,10 +54,11 @@ def load_solution(spec: str) -> Callable[..., Any]:
                           "pass e.g. --solution my_kernels:rmsnorm")
     try:
         module = _import(module_name)
-    except Exception as exc:  # the user's module may raise anything while importing
-        raise ConfigError(f"cannot import solution module {module_name!r}",
-                          f"{type(exc).__name__}: {exc}",
-                          "check the module path (run from the directory that holds it)") from None
+    except BaseException as exc:  # noqa: BLE001 (sys.exit at import too: this runs in a
+        # child process that exists to contain the user's code)
+        raise ConfigError(f"cannot import solution module {module_name!r}", one_line(exc),
+                          "name a .py file (path/to/file.py:function), or a module on "
+                          "Python's path (PYTHONPATH); the current directory is not on it")
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)
@@ -65,6 +70,8 @@ def load_solution(spec: str) -> Callable[..., Any]:
 
 
 def _import(name: str) -> Any:
+    # Only the user's own file is loaded by path: its directory (and the current one, which
+    # may be a dataset's) never goes on sys.path.
     if not name.endswith(".py"):
         return importlib.import_module(name)
     path = Path(name).resolve()
@@ -196,10 +203,14 @@ def _poisonable(dtype: torch.dtype) -> bool:
     return dtype not in (torch.bool, getattr(torch, "float4_e2m1fn_x2", torch.bool))
 
 
-def scrub_freed_memory(tensors: Mapping[str, torch.Tensor], device: str) -> None:
-    """Allocate, fill with 0xFF (NaN in every float format) and free blocks of these sizes."""
+def scrub_freed_memory(sizes: Iterable[int], device: str) -> None:
+    """Allocate, fill with 0xFF (NaN in every float format) and free blocks of these bytes."""
     import torch
 
-    blocks = [torch.full((t.numel() * t.element_size(),), 0xFF, dtype=torch.uint8, device=device)
-              for t in tensors.values()]
+    blocks = [torch.full((size,), 0xFF, dtype=torch.uint8, device=device) for size in sizes]
     del blocks
+
+
+def nbytes(tensors: Mapping[str, torch.Tensor]) -> list[int]:
+    """The byte sizes :func:`scrub_freed_memory` takes, one per tensor."""
+    return [t.numel() * t.element_size() for t in tensors.values()]
