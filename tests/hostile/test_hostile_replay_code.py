@@ -16,7 +16,7 @@ import torch
 
 import enginetap
 from enginetap.dataset import Dataset
-from enginetap.definitions.base import get_template
+from enginetap.definitions import get_template
 from enginetap.replay.synth import synthesize
 from tests.replay.replay_helpers import CANDIDATES, foreign_definition, receipt
 
@@ -83,7 +83,7 @@ def test_candidate_that_ends_its_process_is_an_error_row(tmp_path: Path, ending:
     output = done.stdout + done.stderr
     assert done.returncode == 1, output
     errors = [line for line in done.stdout.splitlines()
-              if line.startswith("ERROR rmsnorm_h128 workload ") and says in line]
+              if line.startswith("ERROR rmsnorm_h128_") and says in line]
     assert len(errors) == 2, output  # both workloads replayed, both report the candidate
     assert "not ok: 2 PASS, 2 ERROR" in done.stdout
     assert "Traceback" not in output

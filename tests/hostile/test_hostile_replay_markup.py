@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from enginetap.dataset import Dataset
-from enginetap.definitions.base import get_template
+from enginetap.definitions import get_template
 from enginetap.replay.compare import Comparison
 from enginetap.replay.report import (
     DefinitionResult,
