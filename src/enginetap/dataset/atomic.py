@@ -51,7 +51,10 @@ def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool =
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _new_tmp(path)
     try:
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 less the umask, set by the kernel
         fill(tmp)
+        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:
+            os.chmod(tmp, mode)  # fill may recreate the file 0600 (safetensors does)
         _sync_file(tmp)
         _place(tmp, path)
     finally:
