@@ -180,7 +180,8 @@ def _read(root: Path, rel: str) -> tuple[str, str]:
     except DatasetError as exc:
         return "", f"{rel}: {exc}"
     except UnicodeDecodeError as exc:
-        return "", f"{rel}: not valid UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+        byte = exc.object[exc.start]
+        return "", f"{rel}: not valid UTF-8 (byte {byte:#04x} at offset {exc.start})"
     except OSError as exc:
         return "", unreadable(rel, exc)
 

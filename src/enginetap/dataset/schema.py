@@ -29,7 +29,8 @@ MAX_REFERENCE_CHARS = 1 << 20
 """Longest reference source accepted (enginetap's own are a few KiB)."""
 
 __all__ = [
-    "MAX_REFERENCE_CHARS", "AxisConst", "AxisVar", "Definition", "DTypeName", "EngineOutputs", "EnginetapExtra",
+    "MAX_REFERENCE_CHARS", "AxisConst", "AxisVar", "Definition", "DTypeName", "EngineOutputs",
+    "EnginetapExtra",
     "InputSpec", "RandomInput", "Receipt", "SafetensorsInput", "ScalarInput", "TensorSpec",
     "Workload", "WorkloadLine",
 ]

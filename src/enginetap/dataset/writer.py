@@ -1,17 +1,21 @@
 """Batch writes: many workloads, of one or several definitions, in one commit.
 
-Example (from a background writer thread; the only thread writing this dataset)::
+Example (from a background writer thread, the only thread writing this dataset)::
 
     from enginetap.dataset import Dataset, WorkloadRecord
+    from enginetap.definitions import get_template
 
+    rmsnorm = get_template("rmsnorm")
+    definition = rmsnorm.example_definition()  # rmsnorm_h128
+    inputs = rmsnorm.synthetic_inputs(definition, {"batch_size": 4})
+    output = ...  # what the engine produced for these inputs, a (4, 128) bf16 tensor
     dataset = Dataset("captures/run1", create=True)
     lines = dataset.add_workloads([
-        WorkloadRecord(definition=rmsnorm_def, inputs={"hidden_states": x, "weight": w},
-                       outputs={"output": y},
+        WorkloadRecord(definition=definition, inputs=inputs, outputs={"output": output},
                        receipt={"source": "capture:hf", "step": 3, "layer": "L0.norm"}),
-        WorkloadRecord(definition="gqa_paged_decode_h32_kv8_d128_ps16", inputs={...}),
+        # ... more records, of this or other definitions (or by stored name)
     ])
-    print(lines[0].workload.uuid)
+    lines[0].workload.uuid  # each line as stored, in record order
 
 A commit checks every record first and writes nothing if any is refused. Then it writes
 each new definition, then the blobs (each to a temporary file, flushed with one
