@@ -30,8 +30,7 @@ MAX_REFERENCE_CHARS = 1 << 20
 
 __all__ = [
     "MAX_REFERENCE_CHARS", "AxisConst", "AxisVar", "Definition", "DTypeName", "EngineOutputs",
-    "EnginetapExtra",
-    "InputSpec", "RandomInput", "Receipt", "SafetensorsInput", "ScalarInput", "TensorSpec",
+    "EnginetapExtra", "InputSpec", "RandomInput", "Receipt", "SafetensorsInput", "ScalarInput", "TensorSpec",
     "Workload", "WorkloadLine",
 ]
 

@@ -48,7 +48,12 @@ _VALIDATE_FIX = "run `enginetap dataset validate ROOT` to list every problem"
 
 
 class Dataset:
-    """One dataset root. Reads are strict (bad data raises); writes are atomic, append-only."""
+    """One dataset root. Reads are strict (bad data raises); writes are atomic, append-only.
+
+    Writes come from one thread at a time per dataset (a write from a second thread while
+    one runs raises :class:`~enginetap.dataset.writer.ConcurrentWriterError`); several
+    processes may write one dataset at once.
+    """
 
     root: Path
     """The dataset root, resolved (absolute, symlinks followed)."""
