@@ -189,3 +189,14 @@ def test_a_second_writer_thread_is_refused_while_the_first_writes(dataset, copy_
     # Handing the dataset over, one thread after the other, is fine.
     dataset.add_workload(copy_definition(), copy_inputs(), receipt=RECEIPT)
     assert len(dataset.workloads("tiny_copy_float32_h4")) == 2
+
+
+def test_a_refused_write_is_one_error_and_leaves_no_line(dataset):
+    (dataset.root / "blob").write_bytes(b"a file where the blob directory belongs")
+    with pytest.raises(DatasetError, match="cannot write to dataset") as info:
+        dataset.add_workloads([_record(copy_definition(), 2), _record(copy_definition(), 3)])
+    assert "Fix:" in str(info.value)
+    assert not (dataset.root / "workloads").exists()  # no line without its blob
+    (dataset.root / "blob").unlink()
+    dataset.add_workloads([_record(copy_definition(), 2)])  # the same writer carries on
+    assert validate_dataset(dataset.root) == []

@@ -33,7 +33,9 @@ from enginetap.dataset.scan import DefinitionFile, read_definitions, read_lines
 from enginetap.dataset.schema import (
     Definition, Receipt, SafetensorsInput, ScalarInput, TensorSpec, WorkloadLine,
 )
-from enginetap.dataset.writer import WorkloadRecord, commit, conflict, writer_slot
+from enginetap.dataset.writer import (
+    WorkloadRecord, commit, conflict, write_failed, writer_slot,
+)
 from enginetap.errors import DatasetError
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ class Dataset:
         Raises:
             DatasetError: a different definition of that name exists (never overwritten),
                 the name or op_type cannot be a file name, the dataset's definitions
-                cannot be read, or another thread is writing this dataset.
+                cannot be read, another thread is writing this dataset, or the file
+                system refused the write.
         """
         with writer_slot(self.root):
             existing = self._lookup(definition.name)
@@ -119,6 +122,8 @@ class Dataset:
                 except AlreadyExists:
                     # Another writer stored it between our look and our write: compare.
                     existing = self._lookup(definition.name, fresh=True)
+                except OSError as exc:
+                    raise write_failed(self.root, exc) from None
             if existing is None or existing.definition != definition:
                 raise conflict(definition.name, existing.rel if existing else "this dataset")
             return self.resolve(existing.rel)

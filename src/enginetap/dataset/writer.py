@@ -66,7 +66,10 @@ from enginetap.errors import DatasetError, ProblemsError
 if TYPE_CHECKING:
     from enginetap.dataset.store import Dataset
 
-__all__ = ["ConcurrentWriterError", "WorkloadRecord", "commit", "conflict", "writer_slot"]
+__all__ = [
+    "ConcurrentWriterError", "WorkloadRecord", "commit", "conflict", "write_failed",
+    "writer_slot",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +245,7 @@ def _write(dataset: Dataset, planned: list[_Planned]) -> None:
         fsync_dirs(path.parent for path in written)
     except OSError as exc:
         _remove(written)
-        raise _write_failed(dataset, exc) from None
+        raise write_failed(dataset.root, exc) from None
     groups: dict[str, list[_Planned]] = {}
     for item in planned:
         groups.setdefault(item.definition.name, []).append(item)
@@ -256,7 +259,7 @@ def _write(dataset: Dataset, planned: list[_Planned]) -> None:
             # definition's append may have reached the disk in part, so its blobs stay.
             later = [i.blob for _, rest in list(groups.items())[position + 1:] for i in rest]
             _remove([b for b in later if b is not None])
-            raise _write_failed(dataset, exc) from None
+            raise write_failed(dataset.root, exc) from None
 
 
 def _fill(checked: CheckedWorkload, path: Path) -> None:
@@ -273,12 +276,12 @@ def _remove(paths: list[Path]) -> None:
             continue  # left as an orphan blob, which validate reports
 
 
-def _write_failed(dataset: Dataset, exc: OSError) -> DatasetError:
+def write_failed(root: Path, exc: OSError) -> DatasetError:
+    """The error for a write the file system refused (full disk, read-only, not a dir...)."""
     where = f" ({exc.filename})" if exc.filename else ""
-    return DatasetError(f"cannot write to dataset {dataset.root}{where}",
-                        exc.strerror or str(exc),
-                        "free disk space or fix permissions, then write again; no line "
-                        "was written for the workloads whose blobs were removed")
+    return DatasetError(f"cannot write to dataset {root}{where}", exc.strerror or str(exc),
+                        "free disk space or fix the path or its permissions, then write "
+                        "again; workloads not written have no line and no blob")
 
 
 def _line(definition: Definition, checked: CheckedWorkload, receipt: Receipt, uuid: str,
