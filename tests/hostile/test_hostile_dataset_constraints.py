@@ -130,3 +130,21 @@ def test_edited_constraints_make_a_definition_foreign(tmp_path):
     trusted = replay_dataset(dataset.root, warmup=0, repeats=0, trust_dataset_code=True)
     assert trusted.definitions[0].status == "PASS"
     assert trusted.definitions[0].reference == "dataset"
+
+
+def test_a_refused_definition_is_not_buried_under_its_workloads(tmp_path):
+    import torch
+
+    dataset = Dataset(tmp_path / "ds", create=True)
+    for rows in range(1, 6):
+        dataset.add_workload(copy_definition(), {"x": torch.ones(rows, 4), "n": 1,
+                                                 "alpha": 0.5, "flag": True}, receipt=RECEIPT)
+    path = dataset.root / DEFINITION
+    path.write_text(json.dumps({**json.loads(path.read_text()), "constraints": ["(" * 300]}))
+    problems = validate_dataset(dataset.root)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{DEFINITION}: does not match the schema")
+    assert problems[1] == (
+        "workloads/tiny_copy/tiny_copy_float32_h4.jsonl:1: unknown definition "
+        "'tiny_copy_float32_h4' (no readable definition file holds it; known: none); so do "
+        "4 more line(s) of this file; 1 definition file(s) cannot be read, see their lines")

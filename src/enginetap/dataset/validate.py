@@ -49,16 +49,35 @@ def validate_dataset(root: str | Path) -> list[str]:
     """
     base = Dataset(root).root
     files, problems = read_definitions(base)
+    unreadable = len(problems)
     problems += [p for f in files for p in _misplaced_definition(f)]
     by_name = {f.definition.name: f.definition for f in files}
     scan = scan_all(base)
     problems += scan.problems
     blobs = _Blobs(base)
     first_seen: dict[str, str] = {}
+    unknown: dict[tuple[str, str], list[int]] = {}
     for record in scan.records:
         blobs.mark(record.line)
         problems += _check_record(record, by_name, blobs, first_seen)
+        if record.line.definition not in by_name:
+            unknown.setdefault((record.rel, record.line.definition), []).append(record.lineno)
+    problems += _unknown_definitions(unknown, sorted(by_name), unreadable)
     return problems + blobs.orphans(scan.damaged)
+
+
+def _unknown_definitions(unknown: Mapping[tuple[str, str], list[int]], known: list[str],
+                         unreadable: int) -> list[str]:
+    """One line per file and unknown name: a refused definition file must not bury its
+    own problem line under one line per workload of it."""
+    out = []
+    for (rel, name), linenos in unknown.items():
+        more = f"; so do {len(linenos) - 1} more line(s) of this file" if len(linenos) > 1 else ""
+        hint = (f"; {unreadable} definition file(s) cannot be read, see their lines"
+                if unreadable else "")
+        out.append(f"{rel}:{linenos[0]}: unknown definition {name!r} (no readable definition "
+                   f"file holds it; known: {known or 'none'}){more}{hint}")
+    return out
 
 
 def _misplaced_definition(found: DefinitionFile) -> list[str]:
@@ -86,8 +105,7 @@ def _check_record(record: LineRecord, by_name: Mapping[str, Definition], blobs: 
     first_seen.setdefault(uuid, where)
     definition = by_name.get(line.definition)
     if definition is None:
-        return problems + [f"{where}: unknown definition {line.definition!r} (no definition "
-                           f"file holds it; known: {sorted(by_name) or 'none'})"]
+        return problems  # reported once per file by _unknown_definitions
     expected = _layout_path(workloads_relpath, definition.op_type, definition.name)
     if record.rel != expected:
         problems.append(f"{where}: line for {definition.name!r} belongs in {expected}")
