@@ -18,7 +18,7 @@ import pytest
 from enginetap.dataset import Dataset, validate_dataset
 from enginetap.dataset.constraints import evaluate, violations
 from enginetap.dataset.schema import Definition, Receipt
-from enginetap.definitions.base import get_template
+from enginetap.definitions import get_template
 from enginetap.errors import DatasetError
 from enginetap.replay import replay_dataset
 from enginetap.replay.synth import synthesize
