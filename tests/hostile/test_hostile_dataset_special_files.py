@@ -81,7 +81,7 @@ def test_each_special_file_is_named_for_what_it_is(hostile):
     fifo_blob = lines[0].workload.inputs["x"].path
     dir_blob = lines[1].workload.inputs["x"].path
     expected = [
-        f"definitions/tiny_copy/link.json: is {FIFO}",
+        "definitions/tiny_copy/link.json: is a symlink to a FIFO (named pipe), not a regular",
         f"definitions/tiny_copy/pipe.json: is {FIFO}",
         f"{BF16}: is {FIFO}",
         f"{F32}:1: input 'x': blob {fifo_blob} is {FIFO}",
@@ -101,7 +101,7 @@ def test_each_special_file_is_named_for_what_it_is(hostile):
 def test_loading_a_special_file_is_an_error_not_a_hang(hostile):
     root, lines = hostile
     dataset = Dataset(root)
-    with pytest.raises(DatasetError, match="link.json: is a FIFO"):
+    with pytest.raises(DatasetError, match="link.json: is a symlink to a FIFO"):
         dataset.definitions()
     (root / "definitions/tiny_copy/pipe.json").unlink()
     (root / "definitions/tiny_copy/link.json").unlink()

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from enginetap.dataset.files import NotRegular, iter_lines, read_capped
+from enginetap.dataset.files import NotRegular, file_kind, iter_lines, read_capped
 from enginetap.dataset.paths import resolve_within
 from enginetap.dataset.schema import Definition, WorkloadLine
 from enginetap.errors import DatasetError
@@ -126,7 +126,7 @@ def _scan_file(root: Path, rel: str, scan: WorkloadScan) -> None:
         scan.problems.append(f"{rel}: {exc}")
         scan.damaged.append(DamagedLine(rel))
     except OSError as exc:
-        scan.problems.append(unreadable(rel, exc))
+        scan.problems.append(unreadable(root, rel, exc))
         scan.damaged.append(DamagedLine(rel))
 
 
@@ -183,13 +183,16 @@ def _read(root: Path, rel: str) -> tuple[str, str]:
         byte = exc.object[exc.start]
         return "", f"{rel}: not valid UTF-8 (byte {byte:#04x} at offset {exc.start})"
     except OSError as exc:
-        return "", unreadable(rel, exc)
+        return "", unreadable(root, rel, exc)
 
 
-def unreadable(rel: str, exc: OSError) -> str:
-    """The problem line of a dataset file that could not be read."""
+def unreadable(root: Path, rel: str, exc: OSError) -> str:
+    """The problem line of the dataset file ``rel`` that could not be read."""
     if isinstance(exc, NotRegular):
-        return f"{rel}: {exc}; enginetap reads only regular files (or links to them)"
+        # Described from the path as stored, so that a link says it is one.
+        kind = file_kind(root / PurePosixPath(rel)) or "not a regular file"
+        return (f"{rel}: is {kind}, not a regular file; enginetap reads only regular files "
+                "(or links to them)")
     reason = str(exc) if exc.errno is None else (exc.strerror or os.strerror(exc.errno))
     return f"{rel}: cannot be read ({reason})"
 
