@@ -7,6 +7,9 @@ a checked rename is used instead). JSONL lines are appended with a single write 
 so a crash can at worst leave a partial *last* line, which the next append closes with a
 newline so it cannot corrupt the line after it.
 
+Directories created on the way are made durable in their parents, so that a durable line
+never points into a directory a power loss could forget.
+
 Files are created with mode ``0o666`` less the process umask, like any file ``open()``
 creates, so a dataset is as readable by others as the user's other files.
 """
@@ -23,8 +26,8 @@ from pathlib import Path
 from enginetap.errors import DatasetError
 
 __all__ = [
-    "AlreadyExists", "append_line", "append_lines", "fsync_dir", "write_new_file",
-    "write_new_text",
+    "AlreadyExists", "append_line", "append_lines", "fsync_dir", "fsync_dirs", "make_dirs",
+    "write_new_file", "write_new_text",
 ]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -48,7 +51,7 @@ def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool =
         OSError: the disk refused the write; the temporary file is removed.
     """
     _refuse_existing(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     tmp = _new_tmp(path)
     try:
         mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 less the umask, set by the kernel
@@ -85,7 +88,7 @@ def append_lines(path: Path, lines: Sequence[str]) -> None:
         raise ValueError("a JSONL line must not contain a newline")
     if not lines:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     created = not os.path.lexists(path)
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _CLOEXEC, 0o666)
     try:
@@ -102,6 +105,17 @@ def append_lines(path: Path, lines: Sequence[str]) -> None:
         os.close(fd)
     if created:
         fsync_dir(path.parent)
+
+
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p``; each directory it creates is made durable in its parent (once)."""
+    missing = []
+    while not os.path.lexists(directory):
+        missing.append(directory)
+        directory = directory.parent
+    if missing:
+        missing[0].mkdir(parents=True, exist_ok=True)  # exist_ok: another writer may race
+        fsync_dirs(d.parent for d in reversed(missing))
 
 
 def fsync_dir(directory: Path) -> None:
