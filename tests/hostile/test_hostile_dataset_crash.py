@@ -1,10 +1,10 @@
 """A batch writer killed with SIGKILL at every step of a commit leaves nothing torn.
 
 One subprocess imports everything once, then forks a writer per kill point; each forked
-writer SIGKILLs itself just before its k-th file-system step (sync, link, write) of one
-``add_workloads`` commit, until a writer runs to the end. Every leftover dataset must
-validate with at most unreferenced blobs (what the design allows), and every line in it
-must load whole.
+writer SIGKILLs itself just before its k-th file-system step (sync, link, rename, write)
+of one ``add_workloads`` commit, until a writer runs to the end. Every leftover dataset
+must validate with at most unreferenced blobs (what the design allows), and every line in
+it must load whole.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tests.dataset.dataset_helpers import copy_definition
 
 torch.set_num_threads(1)
 RECEIPT = Receipt(source="manual", created_at="2026-01-02T03:04:05Z")
-STEPS = ("fsync", "fdatasync", "link", "write")
+STEPS = ("fsync", "fdatasync", "link", "replace", "write")
 
 
 def record(definition, rows):

@@ -40,11 +40,14 @@ class AlreadyExists(DatasetError):
     """The file to create exists already (written before, or by another writer just now)."""
 
 
-def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool = True) -> None:
+def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool = True,
+                   race_free: bool = True) -> None:
     """Create ``path`` atomically; ``fill(tmp)`` writes the content into ``tmp``.
 
     With ``sync_dir=False`` the new directory entry is not made durable here: the caller
-    calls :func:`fsync_dir` once for many files of one directory.
+    calls :func:`fsync_dir` once for many files of one directory. ``race_free=False``
+    places the file with one checked rename instead of link + unlink (cheaper), for names
+    no other writer can want (uuid-named blobs).
 
     Raises:
         AlreadyExists: ``path`` already exists (existing data is never overwritten).
@@ -59,7 +62,11 @@ def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool =
         if stat.S_IMODE(os.stat(tmp).st_mode) != mode:
             os.chmod(tmp, mode)  # fill may recreate the file 0600 (safetensors does)
         _sync_file(tmp)
-        _place(tmp, path)
+        if race_free:
+            _place(tmp, path)
+        else:
+            _refuse_existing(path)
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     if sync_dir:

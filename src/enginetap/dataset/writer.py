@@ -240,7 +240,9 @@ def _write(dataset: Dataset, planned: list[_Planned]) -> None:
     try:
         for item in planned:
             if item.blob is not None:
-                write_new_file(item.blob, partial(_fill, item.checked), sync_dir=False)
+                # uuid-named: no other writer wants this name, a checked rename will do
+                write_new_file(item.blob, partial(_fill, item.checked), sync_dir=False,
+                               race_free=False)
                 written.append(item.blob)
         fsync_dirs(path.parent for path in written)
     except OSError as exc:
