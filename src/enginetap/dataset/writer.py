@@ -19,7 +19,7 @@ Example (from a background writer thread, the only thread writing this dataset):
 
 A commit checks every record first and writes nothing if any is refused. Then it writes
 each new definition, then the blobs (each to a temporary file, flushed with one
-``fdatasync``, linked into place; one ``fsync`` per blob directory after all of them),
+``fdatasync``, renamed into place; one ``fsync`` per blob directory after all of them),
 then per definition one append of all its lines in a single write and one ``fsync``. A
 crash at any point leaves every workload whole or absent: a line is appended only after
 its blob is durable, so the worst leftover is an unreferenced blob (``validate`` reports
