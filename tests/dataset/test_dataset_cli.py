@@ -73,8 +73,8 @@ def test_missing_path_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     assert done.stderr.strip().splitlines() == [
-        f"error: no dataset at {missing}: the directory does not exist. Fix: give the path of an "
-        "existing dataset root (the directory that holds definitions/ and workloads/)"]
+        f"error: no dataset at {missing}: the directory does not exist. Fix: give the root "
+        "directory of an existing dataset"]
 
 
 def test_human_bytes():

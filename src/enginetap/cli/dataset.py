@@ -1,26 +1,32 @@
-"""`enginetap dataset` commands: validate a FlashInfer-Trace dataset, show what it holds."""
+"""`enginetap dataset` commands: validate a FlashInfer-Trace dataset, show what it holds.
+
+Everything printed comes from data (names, paths): it is printed as plain text, never read
+as rich markup, so a name like ``rms[/]norm`` or a root like ``runs/[exp1]/ds`` shows as is.
+"""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from enginetap.dataset import summarize_dataset, validate_dataset
 
 app = typer.Typer(help="Validate and inspect FlashInfer-Trace datasets.", no_args_is_help=True)
 
+# A str, not a Path: Path("") would silently become the current directory.
 _PATH = typer.Argument(..., help="Dataset root (holds definitions/, workloads/, blob/).")
 
 
 @app.command("validate")
-def validate(path: Path = _PATH) -> None:
+def validate(path: str = _PATH) -> None:
     """Check every definition, workload line and blob; list each problem on its own line.
 
-    Exits 0 when the dataset is valid, 1 when it has problems, 2 when PATH is not a dataset.
+    Exits 0 when the dataset is valid, 1 when it has problems, 2 when PATH is not a dataset
+    (empty, missing, or a directory holding none of definitions/, workloads/, blob/).
     """
     problems = validate_dataset(path)
     if problems:
@@ -38,20 +44,23 @@ def validate(path: Path = _PATH) -> None:
 
 
 @app.command("show")
-def show(path: Path = _PATH) -> None:
-    """Show, per definition, its workloads, size on disk, variants and engine outputs."""
+def show(path: str = _PATH) -> None:
+    """Show, per definition, its workloads, size on disk, variants and engine outputs.
+
+    Exits 2 when PATH is not a dataset.
+    """
     summaries = summarize_dataset(path)
     console = Console()
     if not summaries:
         console.print(f"no definitions in {path}", markup=False, highlight=False)
         return
-    table = Table(title=str(path))
+    table = Table(title=Text(path))
     for column in ("definition", "op_type"):
         table.add_column(column, overflow="fold")  # names must stay whole to be usable
     for column in ("workloads", "size", "variants", "with outputs"):
         table.add_column(column, justify="right")
     for s in summaries:
-        table.add_row(s.name, s.op_type, str(s.workloads), human_bytes(s.bytes),
+        table.add_row(Text(s.name), Text(s.op_type), str(s.workloads), human_bytes(s.bytes),
                       str(s.variants), str(s.with_outputs))
     console.print(table)
 

@@ -8,5 +8,9 @@ from __future__ import annotations
 from enginetap.dataset.store import Dataset
 from enginetap.dataset.summary import DefinitionSummary, summarize_dataset
 from enginetap.dataset.validate import validate_dataset
+from enginetap.dataset.writer import ConcurrentWriterError, WorkloadRecord
 
-__all__ = ["Dataset", "DefinitionSummary", "summarize_dataset", "validate_dataset"]
+__all__ = [
+    "ConcurrentWriterError", "Dataset", "DefinitionSummary", "WorkloadRecord",
+    "summarize_dataset", "validate_dataset",
+]

@@ -4,6 +4,10 @@ Field names follow flashinfer-bench's ``flashinfer_bench.data`` models exactly, 
 ``TraceSet.from_path`` loads what we write. Our additions live where its models ignore
 unknown keys: one extra top-level key ``"enginetap"`` on each workload line, holding the
 engine's captured outputs (:class:`EngineOutputs`) and the provenance :class:`Receipt`.
+
+A stored definition is untrusted, so what one may hold is capped: its reference source
+(:data:`MAX_REFERENCE_CHARS`), and its constraints (count, length, size and nesting, see
+:mod:`enginetap.dataset.constraints`). A definition beyond a cap does not validate.
 """
 
 from __future__ import annotations
@@ -13,15 +17,20 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from enginetap.dataset.constraints import MAX_CONSTRAINTS, ConstraintError, parse, quote
+
 NonEmpty = Annotated[str, Field(min_length=1)]
 DTypeName = Literal[
     "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1",
     "int64", "int32", "int16", "int8", "bool",
 ]
 
+MAX_REFERENCE_CHARS = 1 << 20
+"""Longest reference source accepted (enginetap's own are a few KiB)."""
+
 __all__ = [
-    "AxisConst", "AxisVar", "Definition", "DTypeName", "EngineOutputs", "EnginetapExtra",
-    "InputSpec", "RandomInput", "Receipt", "SafetensorsInput", "ScalarInput", "TensorSpec",
+    "MAX_REFERENCE_CHARS", "AxisConst", "AxisVar", "Definition", "DTypeName", "EngineOutputs",
+    "EnginetapExtra", "InputSpec", "RandomInput", "Receipt", "SafetensorsInput", "ScalarInput", "TensorSpec",
     "Workload", "WorkloadLine",
 ]
 
@@ -75,10 +84,16 @@ class Definition(_Model):
 
     @model_validator(mode="after")
     def _validate_reference(self) -> Definition:
+        if len(self.reference) > MAX_REFERENCE_CHARS:
+            raise ValueError(f"reference: {len(self.reference)} characters, more than the "
+                             f"limit of {MAX_REFERENCE_CHARS}")
         try:
             tree = ast.parse(self.reference)
         except SyntaxError as exc:
-            raise ValueError(f"reference: not valid Python ({exc})") from None
+            raise ValueError(f"reference: not valid Python ({exc.msg}, line {exc.lineno})"
+                             ) from None
+        except (MemoryError, RecursionError):  # CPython's parser gives up on deep nesting
+            raise ValueError("reference: nested too deeply to parse") from None
         if not any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body):
             raise ValueError("reference: must define a top-level function 'run'")
         return self
@@ -93,11 +108,18 @@ class Definition(_Model):
                 missing = [a for a in spec.shape or [] if a not in self.axes]
                 if missing:
                     raise ValueError(f"{kind}.{name}: shape uses undefined axes {missing}")
-        for expr in self.constraints:
+        return self
+
+    @model_validator(mode="after")
+    def _validate_constraints(self) -> Definition:
+        if len(self.constraints) > MAX_CONSTRAINTS:
+            raise ValueError(f"constraints: {len(self.constraints)} of them, more than the "
+                             f"limit of {MAX_CONSTRAINTS}")
+        for index, expression in enumerate(self.constraints):
             try:
-                ast.parse(expr, mode="eval")
-            except SyntaxError as exc:
-                raise ValueError(f"constraints: {expr!r} is not an expression ({exc})") from None
+                parse(expression)
+            except ConstraintError as exc:
+                raise ValueError(f"constraints.{index}: {quote(expression)}: {exc}") from None
         return self
 
     @property

@@ -11,58 +11,76 @@ outputs live in the same blob under ``enginetap_output:<output name>``. Datasets
 append-only: nothing is overwritten, every write is atomic, and a workload is checked in
 full before its first byte is written. A crash between a blob and its line leaves an
 orphan blob, which ``validate_dataset`` reports for deletion.
+
+Writes go through :meth:`Dataset.add_workloads` (a batch, one commit; see
+:mod:`enginetap.dataset.writer`), from one thread per dataset at a time. A directory is a
+dataset when it holds ``definitions/``, ``workloads/`` or ``blob/``; opening anything else
+for reading is refused, so that validating a wrong path never reports success.
 """
 
 from __future__ import annotations
 
-import uuid as uuidlib
-from collections.abc import Mapping
-from functools import partial
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from enginetap.dataset.atomic import append_line, write_new_file, write_new_text
-from enginetap.dataset.checks import CheckedWorkload, check_workload
+from enginetap.dataset.atomic import AlreadyExists, write_new_text
+from enginetap.dataset.blobs import load_tensors
 from enginetap.dataset.dtypes import name_of, torch_dtype
-from enginetap.dataset.paths import (
-    OUTPUT_KEY_PREFIX, blob_relpath, definition_relpath, resolve_within, safe_component,
-    workloads_relpath,
-)
+from enginetap.dataset.paths import definition_relpath, resolve_within, workloads_relpath
 from enginetap.dataset.scan import DefinitionFile, read_definitions, read_lines
 from enginetap.dataset.schema import (
-    Definition, EngineOutputs, EnginetapExtra, Receipt, SafetensorsInput, ScalarInput,
-    TensorSpec, Workload, WorkloadLine,
+    Definition, Receipt, SafetensorsInput, ScalarInput, TensorSpec, WorkloadLine,
+)
+from enginetap.dataset.writer import (
+    WorkloadRecord, commit, conflict, write_failed, writer_slot,
 )
 from enginetap.errors import DatasetError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Dataset"]
+__all__ = ["DATASET_DIRS", "Dataset"]
+
+DATASET_DIRS = ("definitions", "workloads", "blob")
+"""A directory holding at least one of these is a dataset root."""
 
 _VALIDATE_FIX = "run `enginetap dataset validate ROOT` to list every problem"
 
 
 class Dataset:
-    """One dataset root. Reads are strict (bad data raises); writes are atomic, append-only."""
+    """One dataset root. Reads are strict (bad data raises); writes are atomic, append-only.
+
+    Writes come from one thread at a time per dataset (a write from a second thread while
+    one runs raises :class:`~enginetap.dataset.writer.ConcurrentWriterError`); several
+    processes may write one dataset at once.
+    """
 
     root: Path
     """The dataset root, resolved (absolute, symlinks followed)."""
 
     def __init__(self, root: str | Path, *, create: bool = False) -> None:
-        """Open the dataset at ``root``; with ``create``, make the directory if missing.
+        """Open the dataset at ``root``; with ``create``, make it (and ``definitions/``) if
+        missing, which is safe when several processes do it at once.
 
         Raises:
-            DatasetError: ``root`` does not exist (and not ``create``) or is not a directory.
+            DatasetError: ``root`` is empty, does not exist (and not ``create``), is not a
+                directory, cannot be created, or (without ``create``) is a directory that
+                holds none of ``definitions/``, ``workloads/``, ``blob/``.
         """
+        if str(root) == "":
+            raise DatasetError("no dataset path given", "the path is empty",
+                               "give the dataset root directory")
         path = Path(root).expanduser()
-        if not path.exists() and create:
-            path.mkdir(parents=True)
+        if create:
+            _create(path)
         if not path.is_dir():
             why = "it is not a directory" if path.exists() else "the directory does not exist"
             raise DatasetError(f"no dataset at {path}", why,
-                               "give the path of an existing dataset root (the directory "
-                               "that holds definitions/ and workloads/)")
+                               "give the root directory of an existing dataset")
+        if not create and not any((path / d).is_dir() for d in DATASET_DIRS):
+            raise _not_a_dataset(path)
         self.root = path.resolve()
         self._known: dict[str, DefinitionFile] = {}
         self._uuids: dict[str, set[str]] = {}
@@ -84,23 +102,31 @@ class Dataset:
     def write_definition(self, definition: Definition) -> Path:
         """Store ``definition`` at ``definitions/<op_type>/<name>.json``; return its path.
 
-        Storing a definition equal to the stored one of that name does nothing.
+        Storing a definition equal to the stored one of that name does nothing, also when
+        another process stores it at the same moment.
 
         Raises:
             DatasetError: a different definition of that name exists (never overwritten),
-                the name or op_type cannot be a file name, or the dataset's definitions
-                cannot be read.
+                the name or op_type cannot be a file name, the dataset's definitions
+                cannot be read, another thread is writing this dataset, or the file
+                system refused the write.
         """
-        existing = self._lookup(definition.name)
-        if existing is not None:
-            if existing.definition != definition:
-                raise _conflict(definition.name, existing.rel)
+        with writer_slot(self.root):
+            existing = self._lookup(definition.name)
+            if existing is None:
+                rel = definition_relpath(definition.op_type, definition.name)
+                try:
+                    write_new_text(self.resolve(rel), definition.model_dump_json(indent=2) + "\n")
+                    self._known[definition.name] = DefinitionFile(rel, definition)
+                    return self.resolve(rel)
+                except AlreadyExists:
+                    # Another writer stored it between our look and our write: compare.
+                    existing = self._lookup(definition.name, fresh=True)
+                except OSError as exc:
+                    raise write_failed(self.root, exc) from None
+            if existing is None or existing.definition != definition:
+                raise conflict(definition.name, existing.rel if existing else "this dataset")
             return self.resolve(existing.rel)
-        rel = definition_relpath(definition.op_type, definition.name)
-        path = self.resolve(rel)
-        write_new_text(path, definition.model_dump_json(indent=2) + "\n")
-        self._known[definition.name] = DefinitionFile(rel, definition)
-        return path
 
     def definitions(self) -> dict[str, Definition]:
         """Every stored definition by name, read from disk now.
@@ -128,48 +154,46 @@ class Dataset:
                                "store it first with Dataset.write_definition")
         return found.definition
 
-    def _lookup(self, name: str) -> DefinitionFile | None:
-        if name not in self._known:
+    def _lookup(self, name: str, *, fresh: bool = False) -> DefinitionFile | None:
+        if fresh or name not in self._known:
             self.definitions()  # another writer may have added it since we last looked
         return self._known.get(name)
 
     # ------------------------------------------------------------------- workloads
 
     def add_workload(self, definition: Definition | str, inputs: Mapping[str, Any], *,
-                     outputs: Mapping[str, torch.Tensor] | None = None, receipt: Receipt,
-                     uuid: str | None = None) -> WorkloadLine:
-        """Check and store one workload; return its line.
-
-        ``definition`` is a stored definition's name, or a Definition (stored first if new).
-        ``inputs`` maps every input name to a tensor, or to a Python scalar for shape-None
-        inputs; ``outputs`` optionally maps some of the definition's outputs to what the
-        engine produced. Tensors are copied to contiguous CPU tensors and saved in one
-        safetensors blob. ``uuid`` defaults to a fresh uuid4 hex.
+                     outputs: Mapping[str, torch.Tensor] | None = None,
+                     receipt: Receipt | Mapping[str, Any], uuid: str | None = None
+                     ) -> WorkloadLine:
+        """Check and store one workload; return its line (a batch of one, see
+        :meth:`add_workloads` for the arguments and guarantees).
 
         Raises:
             DatasetError: the workload does not fit the definition (a ProblemsError
                 listing every problem), the definition conflicts with the stored one or is
                 unknown, or the uuid is already used. Nothing is written in these cases.
         """
-        definition, is_new = self._target(definition)
-        checked = check_workload(definition, inputs, outputs)
-        uuid = safe_component("uuid", uuid if uuid is not None else uuidlib.uuid4().hex)
-        self._refuse_used_uuid(definition, uuid)
-        blob_rel = blob_relpath(definition.op_type, definition.name, uuid)
-        blob = self.resolve(blob_rel) if checked.tensors or checked.outputs else None
-        if blob is not None and (blob.exists() or blob.is_symlink()):
-            raise DatasetError(f"refusing to overwrite {blob_rel}", "the blob already exists",
-                               "use a new uuid; delete the file if it is an orphan")
-        line = _line(definition, checked, receipt, uuid, blob_rel)
-        jsonl = self.resolve(workloads_relpath(definition.op_type, definition.name))
-        text = line.model_dump_json()
-        if is_new:
-            self.write_definition(definition)
-        if blob is not None:
-            write_new_file(blob, partial(_save_blob, checked))
-        append_line(jsonl, text)
-        self._uuids[definition.name].add(uuid)
-        return line
+        record = WorkloadRecord(definition=definition, inputs=inputs, outputs=outputs or {},
+                                receipt=receipt, uuid=uuid)
+        return self.add_workloads([record])[0]
+
+    def add_workloads(self, records: Sequence[WorkloadRecord]) -> list[WorkloadLine]:
+        """Check and store many workloads (of any definitions) in one commit; return their
+        lines, in order.
+
+        Every record is checked before anything is written; new definitions are stored
+        first (an equal stored one is a no-op). Then blobs, each synced once, then one
+        append and one fsync per definition's JSONL file. Contiguous CPU tensors are
+        written from their own memory (no copy): they must not change until this returns.
+        Call it from one thread per dataset. Details: :mod:`enginetap.dataset.writer`.
+
+        Raises:
+            DatasetError: a record is refused (nothing is written; with several records a
+                ProblemsError names each refused record and every problem), another thread
+                is writing this dataset (:class:`~enginetap.dataset.writer.ConcurrentWriterError`),
+                or the disk refused a write.
+        """
+        return commit(self, records)
 
     def _target(self, definition: Definition | str) -> tuple[Definition, bool]:
         if isinstance(definition, str):
@@ -179,13 +203,14 @@ class Dataset:
         if existing is None:
             return definition, True
         if existing.definition != definition:
-            raise _conflict(definition.name, existing.rel)
+            raise conflict(definition.name, existing.rel)
         return existing.definition, False
 
     def _refuse_used_uuid(self, definition: Definition, uuid: str) -> None:
         if definition.name not in self._uuids:
             rel = workloads_relpath(definition.op_type, definition.name)
-            records = read_lines(self.root, rel)[0] if self.resolve(rel).exists() else []
+            exists = os.path.lexists(self.resolve(rel))
+            records = read_lines(self.root, rel)[0] if exists else []
             self._uuids[definition.name] = {r.line.workload.uuid for r in records}
         if uuid in self._uuids[definition.name]:
             raise DatasetError(f"uuid {uuid!r} is already used by a workload of "
@@ -201,7 +226,7 @@ class Dataset:
         """
         definition = self.definition(name)
         rel = workloads_relpath(definition.op_type, name)
-        if not self.resolve(rel).exists():
+        if not os.path.lexists(self.resolve(rel)):
             return []
         records, problems = read_lines(self.root, rel)
         problems += [f"{r.where}: line is for definition {r.line.definition!r}, not {name!r}"
@@ -254,52 +279,20 @@ class Dataset:
     def _read_tensors(self, line: WorkloadLine, definition: Definition,
                       specs: Mapping[str, TensorSpec], refs: Mapping[str, SafetensorsInput],
                       device: str) -> dict[str, torch.Tensor]:
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         out: dict[str, torch.Tensor] = {}
         for rel in dict.fromkeys(ref.path for ref in refs.values()):
             names = [name for name, ref in refs.items() if ref.path == rel]
             try:
-                with safe_open(str(self.resolve(rel)), framework="pt", device="cpu") as f:
-                    for name in names:
-                        out[name] = f.get_tensor(refs[name].tensor_key)
+                loaded = load_tensors(self.resolve(rel), [refs[n].tensor_key for n in names])
+                out |= {name: loaded[refs[name].tensor_key] for name in names}
             except (OSError, SafetensorError) as exc:
                 raise DatasetError(f"cannot load {rel} for workload {line.workload.uuid}",
                                    str(exc), _VALIDATE_FIX) from None
         for name, tensor in out.items():
             _check_loaded(line, definition, name, specs[name], tensor)
         return {name: tensor.to(device) for name, tensor in out.items()}
-
-
-def _line(definition: Definition, checked: CheckedWorkload, receipt: Receipt, uuid: str,
-          blob_rel: str) -> WorkloadLine:
-    inputs: dict[str, SafetensorsInput | ScalarInput] = {}
-    for name in definition.inputs:
-        if name in checked.scalars:
-            inputs[name] = ScalarInput(value=checked.scalars[name])
-        else:
-            inputs[name] = SafetensorsInput(path=blob_rel, tensor_key=name)
-    outputs = {name: SafetensorsInput(path=blob_rel, tensor_key=OUTPUT_KEY_PREFIX + name)
-               for name in checked.outputs}
-    return WorkloadLine(
-        definition=definition.name,
-        workload=Workload(axes=checked.axes, inputs=inputs, uuid=uuid),
-        enginetap=EnginetapExtra(outputs=EngineOutputs(tensors=outputs), receipt=receipt),
-    )
-
-
-def _save_blob(checked: CheckedWorkload, path: Path) -> None:
-    import safetensors.torch
-    import torch
-
-    # Own contiguous CPU copies: the caller's tensors may live on a device, be views of
-    # one buffer (safetensors refuses shared storage) or change after we return.
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
-
-    tensors = {name: copy(t) for name, t in checked.tensors.items()}
-    tensors |= {OUTPUT_KEY_PREFIX + name: copy(t) for name, t in checked.outputs.items()}
-    safetensors.torch.save_file(tensors, str(path))
 
 
 def _check_loaded(line: WorkloadLine, definition: Definition, name: str, spec: TensorSpec,
@@ -324,10 +317,24 @@ def _unloadable(line: WorkloadLine, name: str, spec: TensorSpec, stored: Any) ->
                         "enginetap replays stored inputs only: capture the workload again")
 
 
-def _conflict(name: str, rel: str) -> DatasetError:
-    return DatasetError(f"definition {name!r} already exists in {rel} with different content",
-                        "stored definitions are never overwritten",
-                        "give the new definition another name, or use another dataset root")
+def _create(path: Path) -> None:
+    try:
+        (path / "definitions").mkdir(parents=True, exist_ok=True)  # parallel-safe
+    except FileExistsError:
+        return  # a file where a directory belongs: reported by the caller's checks
+    except OSError as exc:
+        raise DatasetError(f"cannot create a dataset at {path}", exc.strerror or str(exc),
+                           "choose a writable directory that is not under a file") from None
+
+
+def _not_a_dataset(path: Path) -> DatasetError:
+    parent = path.parent
+    if path.name in DATASET_DIRS and any((parent / d).is_dir() for d in DATASET_DIRS):
+        fix = f"give the dataset root {parent}, not its {path.name}/ directory"
+    else:
+        fix = "give the root directory of a dataset (the one holding definitions/)"
+    return DatasetError(f"{path} is not a dataset",
+                        f"it holds none of {', '.join(d + '/' for d in DATASET_DIRS)}", fix)
 
 
 def _raise_first(what: str, problems: list[str]) -> None:

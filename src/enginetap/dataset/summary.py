@@ -39,7 +39,8 @@ def summarize_dataset(root: str | Path) -> list[DefinitionSummary]:
     """One summary per readable definition, sorted by op_type then name.
 
     Raises:
-        DatasetError: ``root`` is not an existing directory.
+        DatasetError: ``root`` is not a dataset (empty, missing, or a directory holding
+            none of ``definitions/``, ``workloads/``, ``blob/``).
     """
     base = Dataset(root).root
     files, _ = read_definitions(base)

@@ -7,21 +7,28 @@ exactly the definition's, scalars as scalars and tensors in blobs that exist, op
 the key, and agree in shape and dtype; the engine outputs likewise; uuids are unique.
 
 Blobs are checked through their safetensors header (which safetensors verifies against
-the file size), not by reading tensor data. A blob no line references is a problem too:
-it is what a crash between writing a blob and appending its line leaves behind, and the
-fix is to delete it.
+the file size), not by reading tensor data; only regular files are opened, and a FIFO,
+directory or device where a blob belongs is named as such. A blob no line references is
+a problem too: it is what a crash between writing a blob and appending its line leaves
+behind, and the fix is to delete it -- unless some workload line or file cannot be read:
+then the blob may be what that line needs, and the advice is to repair the line first.
+A symlink leading outside the root is never called a blob of the dataset.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from enginetap.dataset.blobs import Header, read_header
 from enginetap.dataset.checks import coerce_scalar
 from enginetap.dataset.constraints import violations
-from enginetap.dataset.dtypes import from_header
+from enginetap.dataset.files import file_kind
 from enginetap.dataset.paths import definition_relpath, resolve_within, workloads_relpath
-from enginetap.dataset.scan import DefinitionFile, LineRecord, read_definitions, scan_workloads
+from enginetap.dataset.scan import (
+    DamagedLine, DefinitionFile, LineRecord, read_definitions, scan_all,
+)
 from enginetap.dataset.schema import (
     Definition, RandomInput, SafetensorsInput, ScalarInput, TensorSpec, WorkloadLine,
 )
@@ -30,8 +37,6 @@ from enginetap.errors import DatasetError
 
 __all__ = ["validate_dataset"]
 
-Header = dict[str, tuple[str, tuple[int, ...]]]
-
 
 def validate_dataset(root: str | Path) -> list[str]:
     """Every problem of the dataset at ``root``, one line each; ``[]`` when it is valid.
@@ -39,20 +44,40 @@ def validate_dataset(root: str | Path) -> list[str]:
     Bad data never raises; it becomes a problem line.
 
     Raises:
-        DatasetError: ``root`` is not an existing directory.
+        DatasetError: ``root`` is not a dataset (an empty path, a missing directory, or
+            one holding none of ``definitions/``, ``workloads/``, ``blob/``).
     """
     base = Dataset(root).root
     files, problems = read_definitions(base)
+    unreadable = len(problems)
     problems += [p for f in files for p in _misplaced_definition(f)]
     by_name = {f.definition.name: f.definition for f in files}
-    records, bad_lines = scan_workloads(base)
-    problems += bad_lines
+    scan = scan_all(base)
+    problems += scan.problems
     blobs = _Blobs(base)
     first_seen: dict[str, str] = {}
-    for record in records:
+    unknown: dict[tuple[str, str], list[int]] = {}
+    for record in scan.records:
         blobs.mark(record.line)
         problems += _check_record(record, by_name, blobs, first_seen)
-    return problems + blobs.orphans()
+        if record.line.definition not in by_name:
+            unknown.setdefault((record.rel, record.line.definition), []).append(record.lineno)
+    problems += _unknown_definitions(unknown, sorted(by_name), unreadable)
+    return problems + blobs.orphans(scan.damaged)
+
+
+def _unknown_definitions(unknown: Mapping[tuple[str, str], list[int]], known: list[str],
+                         unreadable: int) -> list[str]:
+    """One line per file and unknown name: a refused definition file must not bury its
+    own problem line under one line per workload of it."""
+    out = []
+    for (rel, name), linenos in unknown.items():
+        more = f"; so do {len(linenos) - 1} more line(s) of this file" if len(linenos) > 1 else ""
+        hint = (f"; {unreadable} definition file(s) cannot be read, see their lines"
+                if unreadable else "")
+        out.append(f"{rel}:{linenos[0]}: unknown definition {name!r} (no readable definition "
+                   f"file holds it; known: {known or 'none'}){more}{hint}")
+    return out
 
 
 def _misplaced_definition(found: DefinitionFile) -> list[str]:
@@ -80,8 +105,7 @@ def _check_record(record: LineRecord, by_name: Mapping[str, Definition], blobs: 
     first_seen.setdefault(uuid, where)
     definition = by_name.get(line.definition)
     if definition is None:
-        return problems + [f"{where}: unknown definition {line.definition!r} (no definition "
-                           f"file holds it; known: {sorted(by_name) or 'none'})"]
+        return problems  # reported once per file by _unknown_definitions
     expected = _layout_path(workloads_relpath, definition.op_type, definition.name)
     if record.rel != expected:
         problems.append(f"{where}: line for {definition.name!r} belongs in {expected}")
@@ -169,10 +193,7 @@ class _Blobs:
         refs = [v for v in line.workload.inputs.values() if isinstance(v, SafetensorsInput)]
         refs += line.enginetap.outputs.tensors.values() if line.enginetap else []
         for ref in refs:
-            try:
-                self.referenced.add(resolve_within(self.root, ref.path))
-            except DatasetError:
-                continue  # an unsafe path is reported where the line is checked
+            self.referenced |= _names_of(self.root, ref.path)
 
     def check(self, label: str, ref: SafetensorsInput, shape: tuple[int, ...] | None,
               dtype: str) -> list[str]:
@@ -195,27 +216,60 @@ class _Blobs:
 
     def _header(self, path: Path) -> Header | str:
         if path not in self.headers:
-            self.headers[path] = _read_header(path)
+            self.headers[path] = read_header(path)
         return self.headers[path]
 
-    def orphans(self) -> list[str]:
+    def orphans(self, damaged: list[DamagedLine]) -> list[str]:
+        """A line for each entry under ``blob/`` that no readable line references."""
         base = self.root / "blob"
         if not base.is_dir():
             return []
-        files = sorted(p for p in base.rglob("*") if p.is_file() or p.is_symlink())
-        return [f"{p.relative_to(self.root).as_posix()}: orphan blob (no workload line "
-                "references it, e.g. left by an interrupted write); delete it"
-                for p in files if p.resolve() not in self.referenced]
+        named = {p: d.where for d in reversed(damaged) for path in d.paths
+                 for p in _names_of(self.root, path)}
+        out = []
+        for entry in sorted(base.rglob("*")):
+            if entry.is_dir() and not entry.is_symlink():
+                continue  # the layout's own directories
+            lexical = Path(os.path.abspath(entry))
+            if lexical in self.referenced or entry.resolve() in self.referenced:
+                continue
+            rel = entry.relative_to(self.root).as_posix()
+            out.append(_unreferenced(self.root, entry, rel, named.get(lexical), damaged))
+        return out
 
 
-def _read_header(path: Path) -> Header | str:
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        return "is missing"
+def _names_of(root: Path, stored: str) -> set[Path]:
+    """The paths a stored path may name: as written (links not followed) and resolved."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: from_header(f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
-                    for k in f.keys()}
-    except (OSError, SafetensorError) as exc:
-        return f"cannot be read ({exc})"
+        real = resolve_within(root, stored)
+    except DatasetError:
+        real = None  # unsafe: reported where the line is checked; still names its link
+    if PurePosixPath(stored).is_absolute() or "\\" in stored:
+        return {real} if real else set()
+    lexical = Path(os.path.abspath(root / PurePosixPath(stored)))
+    return {lexical, real} if real else {lexical}
+
+
+def _unreferenced(root: Path, entry: Path, rel: str, named_by: str | None,
+                  damaged: list[DamagedLine]) -> str:
+    if named_by is not None:
+        return (f"{rel}: referenced only by the unreadable line {named_by}; repair that "
+                "line (do not delete the blob)")
+    outside = entry.is_symlink() and not entry.resolve().is_relative_to(root)
+    if outside:
+        return (f"{rel}: a symlink leading outside the dataset (to {entry.resolve()}); no "
+                "workload line references it and enginetap never reads through it; it is "
+                "not part of the dataset (removing the link leaves its target untouched)")
+    kind = file_kind(entry)
+    if kind:
+        subject = f"{rel}: {kind}, not a blob file, that no workload line references"
+    else:
+        subject = f"{rel}: orphan blob (no workload line references it)"
+    if damaged:
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        return (f"{subject}; not safe to delete yet: {damaged[0].where}{more} cannot be "
+                "read and may reference it, repair that first")
+    if kind:
+        return f"{subject}; remove it"
+    return (f"{rel}: orphan blob (no workload line references it, e.g. left by an "
+            "interrupted write); delete it")

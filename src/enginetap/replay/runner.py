@@ -165,8 +165,10 @@ def _resolve_reference(definition: Definition, trust_dataset_code: bool,
     template = known_template(definition)
     if template is not None:
         ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
-        return _Reference(LocalFunction(compile_reference(ours.reference, definition.name)),
-                          _rules(definition, template), "enginetap")
+        # Constraints decide which workloads are valid: edited ones make it foreign too.
+        if ours.constraints == definition.constraints:
+            return _Reference(LocalFunction(compile_reference(ours.reference, definition.name)),
+                              _rules(definition, template), "enginetap")
     family = templates().get(family_of(definition) or "")
     if not trust_dataset_code:
         why = (f"its reference differs from what enginetap {__version__} generates for family "

@@ -1,0 +1,91 @@
+"""Tensor blobs: safetensors files written without extra copies and read only when regular.
+
+Writing: :func:`host_tensors` gives each tensor as safetensors can write it (dense,
+contiguous, on the CPU, no two sharing memory) and copies only the tensors that are not
+already so: a contiguous CPU tensor is written straight from its own memory. A device
+tensor is copied to the host once, which cannot be avoided.
+
+Reading: blobs are opened through :func:`enginetap.dataset.files.open_regular`, so a FIFO
+or device in place of a blob is reported, never waited on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from enginetap.dataset.dtypes import from_header
+from enginetap.dataset.files import NotRegular, open_regular, path_of_fd
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Header", "host_tensors", "load_tensors", "read_header", "save_blob"]
+
+Header = dict[str, tuple[str, tuple[int, ...]]]
+"""Tensor key -> (schema dtype name, shape), as a blob's header records them."""
+
+
+def host_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``named`` as safetensors can write them, copying only where it must.
+
+    A tensor is copied when it is on another device, not contiguous, or shares memory
+    with a tensor earlier in ``named`` (safetensors refuses shared memory); otherwise the
+    caller's tensor itself is returned (detached), so it must not change until written.
+    """
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in named.items():
+        t = tensor.detach()
+        if t.device.type != "cpu" or not t.is_contiguous() or _storage(t) in seen:
+            t = t.to("cpu", memory_format=torch.contiguous_format, copy=True)
+        if t.untyped_storage().nbytes():
+            seen.add(_storage(t))
+        out[name] = t
+    return out
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def save_blob(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (as :func:`host_tensors` returns them) to the safetensors file ``path``."""
+    import safetensors.torch
+
+    safetensors.torch.save_file(dict(tensors), str(path))
+
+
+def read_header(path: Path) -> Header | str:
+    """Every tensor's dtype and shape from the blob's header, or why it cannot be read.
+
+    safetensors checks the header against the file size; tensor data is not read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with open_regular(path) as fd, safe_open(path_of_fd(fd, path), framework="pt") as f:
+            return {k: from_header(f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
+                    for k in f.keys()}
+    except NotRegular as exc:
+        return str(exc)
+    except (OSError, SafetensorError) as exc:
+        return f"cannot be read ({exc})"
+
+
+def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors stored under ``keys`` in the blob ``path``, on the CPU.
+
+    Raises:
+        OSError: the blob is not a regular file (:class:`NotRegular`) or cannot be read.
+        SafetensorError: it is not a valid safetensors file, or lacks a key.
+    """
+    from safetensors import safe_open
+
+    with open_regular(path) as fd, safe_open(path_of_fd(fd, path), framework="pt",
+                                             device="cpu") as f:
+        return {key: f.get_tensor(key) for key in keys}
