@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginetap.capture.copy import HostCopies
-from enginetap.dataset import Dataset
+from enginetap.dataset import Dataset, WorkloadRecord
 from enginetap.dataset.checks import WorkloadProblems
 from enginetap.dataset.schema import Definition, Receipt
+from enginetap.errors import DatasetError
 
 logger = logging.getLogger("enginetap.capture")
 
@@ -121,26 +122,49 @@ class Writer:
         except Exception as exc:  # noqa: BLE001 - any failure stops capture, never the engine
             self.stats.error = f"{type(exc).__name__}: {exc}"
             self.stats.dropped_after_error += len(items)
+            fix = ("free disk space or choose a writable dataset directory, then capture again"
+                   if isinstance(exc, (OSError, DatasetError)) else
+                   "this is a bug in enginetap's capture writer; report it with this message")
             logger.error("enginetap capture: writing to %s failed, capture stops (the engine "
-                         "goes on): %s. Fix: free disk space or choose a writable dataset "
-                         "directory, then capture again", self.dataset.root, exc)
+                         "goes on): %s. Fix: %s", self.dataset.root, exc, fix,
+                         exc_info=not isinstance(exc, (OSError, DatasetError)))
         finally:
             with self._room:
                 self._held -= sum(i.nbytes for i in items)
                 self._room.notify_all()
 
     def _write(self, items: list[Item]) -> None:
-        for item in items:
-            outputs = item.outputs.wait()
-            inputs = item.inputs.wait()
+        """One batch commit; if the dataset refuses a record, the batch is written record
+        by record so that only the refused workloads (and their probes) are dropped."""
+        records = [self._record(item) for item in items]
+        try:
+            self.dataset.add_workloads(records)
+            self._count(items)
+            return
+        except WorkloadProblems as exc:
+            if len(items) == 1:
+                self._refuse(items[0], str(exc))
+                return
+        for item, record in zip(items, records):
             try:
-                self.dataset.add_workload(item.definition, inputs, outputs=outputs,
-                                          receipt=item.receipt())
-            except WorkloadProblems as exc:  # the probe's fault, not the disk's: go on
-                self.stats.refused += 1
-                if item.refused is not None:
-                    item.refused(str(exc))
-                continue
+                self.dataset.add_workloads([record])
+                self._count([item])
+            except WorkloadProblems as exc:
+                self._refuse(item, str(exc))
+
+    def _record(self, item: Item) -> WorkloadRecord:
+        outputs = item.outputs.wait()
+        inputs = item.inputs.wait()
+        return WorkloadRecord(definition=item.definition, inputs=inputs, outputs=outputs,
+                              receipt=item.receipt())
+
+    def _refuse(self, item: Item, why: str) -> None:
+        self.stats.refused += 1
+        if item.refused is not None:
+            item.refused(why)
+
+    def _count(self, items: list[Item]) -> None:
+        for item in items:
             self.stats.written += 1
             self.stats.bytes_written += item.nbytes
             name = item.definition.name

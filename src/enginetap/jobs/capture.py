@@ -67,6 +67,7 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     """
     model_dir = _model_dir(job.model)
     _check_definitions(job, model_dir)
+    profile = _profile(job, model_dir)
     run_dir = _prepare_out(job.out)
     config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=run_dir, options={
         "capture": {"dataset": str(job.out.resolve()), "definitions": job.definitions,
@@ -75,7 +76,7 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     _status(run_dir, "running", job)
     try:
         report = (_run_builtin if job.engine == "builtin" else _run_vllm)(
-            job, model_dir, config, run_dir, on_engine)
+            job, model_dir, profile, config, run_dir, on_engine)
     except BaseException as exc:
         _status(run_dir, "failed", job, f"{type(exc).__name__}: {exc}")
         raise
@@ -114,6 +115,26 @@ def _check_definitions(job: CaptureJob, model_dir: Path) -> None:
         raise ConfigError(f"unknown definition(s) {', '.join(unknown)} for this model",
                           f"it runs {', '.join(sorted(n for n in names if n))}",
                           "name families or definitions from that list")
+
+
+VLLM_MAX_LEN = 2048
+
+
+def _profile(job: CaptureJob, model_dir: Path) -> Any:
+    """The traffic profile, fit to the model's context (read from its config.json)."""
+    from enginetap.traffic.sources import resolve_profile
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        context = int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read the context length of {model_dir}", repr(exc),
+                          "give a model whose config.json has max_position_embeddings"
+                          ) from None
+    if job.engine == "vllm":
+        context = min(context, VLLM_MAX_LEN)
+    return resolve_profile(job.profile, max_context=context,
+                           max_output_tokens=job.max_output_tokens, seed=job.seed)
 
 
 def _prepare_out(out: Path) -> Path:
@@ -166,13 +187,12 @@ def _labeller(run_dir: Path, profile_name: str) -> Callable[[str, Sequence[Any]]
     return on_send
 
 
-def _run_builtin(job: CaptureJob, model_dir: Path, config: ArmConfig, run_dir: Path,
-                 on_engine: Callable[[Any], None] | None) -> Any:
+def _run_builtin(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
+                 run_dir: Path, on_engine: Callable[[Any], None] | None) -> Any:
     from enginetap.engines.hf import HFEngine
     from enginetap.engines.hf.arming import disarm
     from enginetap.traffic.drivers import BuiltinDriver
     from enginetap.traffic.runner import run_profile
-    from enginetap.traffic.sources import resolve_profile
 
     engine = HFEngine(model_dir, arm=config)
     try:
@@ -184,19 +204,16 @@ def _run_builtin(job: CaptureJob, model_dir: Path, config: ArmConfig, run_dir: P
                               "(`enginetap models list`)")
         if on_engine is not None:
             on_engine(engine)
-        profile = resolve_profile(job.profile, max_context=engine.max_positions,
-                                  max_output_tokens=job.max_output_tokens, seed=job.seed)
         return run_profile(profile, BuiltinDriver(engine), progress=job.progress,
                            on_send=_labeller(run_dir, profile.name))
     finally:
         disarm()
 
 
-def _run_vllm(job: CaptureJob, model_dir: Path, config: ArmConfig, run_dir: Path,
-              on_engine: Callable[[Any], None] | None) -> Any:
+def _run_vllm(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
+              run_dir: Path, on_engine: Callable[[Any], None] | None) -> Any:
     from enginetap.traffic.drivers import VLLMDriver
     from enginetap.traffic.runner import run_profile
-    from enginetap.traffic.sources import resolve_profile
 
     for name in ARMING_VARS:
         os.environ.pop(name, None)
@@ -205,14 +222,12 @@ def _run_vllm(job: CaptureJob, model_dir: Path, config: ArmConfig, run_dir: Path
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
-    max_len = 2048
     llm = LLM(model=str(model_dir), tensor_parallel_size=job.tp, gpu_memory_utilization=0.3,
-              enforce_eager=True, max_model_len=max_len, enable_prefix_caching=True, seed=0)
+              enforce_eager=True, max_model_len=VLLM_MAX_LEN, enable_prefix_caching=True,
+              seed=0)
     try:
         if on_engine is not None:
             on_engine(llm)
-        profile = resolve_profile(job.profile, max_context=max_len,
-                                  max_output_tokens=job.max_output_tokens, seed=job.seed)
         return run_profile(profile, VLLMDriver(llm), progress=job.progress,
                            on_send=_labeller(run_dir, profile.name))
     finally:
