@@ -22,9 +22,10 @@ from enginetap.capture.probe import Probe
 from enginetap.engines.hf.probes.attention import ATTENTION_PROBES
 from enginetap.engines.hf.probes.common import token_rows
 from enginetap.engines.hf.probes.gdn import GDN_PROBES
+from enginetap.engines.hf.probes.mla import MLA_PROBES
 from enginetap.engines.hf.probes.moe import MOE_PROBES
 from enginetap.engines.hf.probes.norms import NORM_PROBES
 
 __all__ = ["PROBES", "token_rows"]
 
-PROBES: list[Probe] = [*NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES]
+PROBES: list[Probe] = [*NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES, *MLA_PROBES]

@@ -33,6 +33,7 @@ from enginetap.engines.hf.probes.common import (
     PAD_NOTE,
     batch_requests,
     column_ranges,
+    end_aligned,
     fill_pages,
     instantiate,
     pack_pages,
@@ -98,7 +99,8 @@ def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str) 
 
 
 class _Live:
-    """Per request: live key columns and whether its queries sit at their end (causal)."""
+    """Per request: live key columns, and whether every request's queries sit at the end
+    of them (the definitions' causal rule)."""
 
     def __init__(self, call: ProbeCall, q_len: int, kv_len: int) -> None:
         mask, causal = call.args["attn_mask"], bool(call.args["is_causal"])
@@ -107,14 +109,9 @@ class _Live:
         self.ok = True
         for request in self.requests:
             seen = visible_columns(mask, causal, request.batch_row, q_len, kv_len)
-            queries = seen[request.columns]
-            live = torch.nonzero(queries[-1]).flatten()
-            n, total = len(request.columns), int(live.numel())
-            expected = torch.zeros_like(queries)
-            for i in range(n):
-                expected[i, live[: total - n + i + 1]] = True
-            self.ok = self.ok and total >= n and torch.equal(queries, expected)
-            self.columns.append(live.tolist())
+            live, ok = end_aligned(seen, request.columns)
+            self.columns.append(live)
+            self.ok = self.ok and ok
 
 
 def _adapt_prefill(call: ProbeCall) -> Extracted | None:

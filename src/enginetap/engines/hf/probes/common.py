@@ -20,7 +20,7 @@ from enginetap.dataset.schema import Definition
 from enginetap.definitions import get_template
 
 __all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
-           "fill_pages", "instantiate", "pack_pages", "token_rows", "visible_columns"]
+           "end_aligned", "fill_pages", "instantiate", "pack_pages", "token_rows", "visible_columns"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -94,6 +94,20 @@ def visible_columns(mask: torch.Tensor | None, is_causal: bool, b: int, q_len: i
     if row.dtype == torch.bool:
         return row.cpu()
     return (row > torch.finfo(row.dtype).min / 2).cpu()
+
+
+def end_aligned(seen: torch.Tensor, columns: list[int]) -> tuple[list[int], bool]:
+    """A request's live key columns (those its last query sees, in cache order) and whether
+    each of its queries sees exactly a prefix of them ending at its own place: query ``i``
+    of ``n`` sees the first ``len(live) - n + i + 1`` (queries at the end of their keys).
+    ``seen`` is :func:`visible_columns` of the request's batch row."""
+    queries = seen[columns]
+    live = torch.nonzero(queries[-1]).flatten()
+    n, total = len(columns), int(live.numel())
+    expected = torch.zeros_like(queries)
+    for i in range(n):
+        expected[i, live[: max(0, total - n + i + 1)]] = True
+    return live.tolist(), total >= n and torch.equal(queries, expected)
 
 
 @dataclass
