@@ -43,7 +43,8 @@ from enginetap.engines.hf.probes.common import (
     visible_columns,
 )
 
-__all__ = ["MLA_PROBES", "absorbed_query", "latent_cache", "rms_norm_as_engine"]
+__all__ = ["MLA_PROBES", "TOLERANCE", "absorbed_query", "check_against_engine", "latent_cache",
+           "rms_norm_as_engine"]
 
 TOLERANCE = 0.01
 """Largest relative L2 error allowed between the layer's real output and the absorbed
@@ -84,8 +85,9 @@ def absorbed_query(module: Any, hidden: torch.Tensor,
     q_pass, q_rot = torch.split(q, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     code = sys.modules[type(module).__module__]
     cos, sin = position_embeddings
-    rope = (code.apply_rotary_pos_emb_interleave if module.config.rope_interleave
-            else code.apply_rotary_pos_emb)
+    # DeepSeek-V3.2's config has no rope_interleave: its attention always interleaves.
+    rope = (code.apply_rotary_pos_emb_interleave
+            if getattr(module.config, "rope_interleave", True) else code.apply_rotary_pos_emb)
     q_rot, _ = rope(q_rot, q_rot[:, :1], cos, sin)
     w_uk = _kv_b(module)[:, : module.qk_nope_head_dim]
     absorbed = torch.einsum("bhsd,hdc->bhsc", q_pass.float(), w_uk.float())
@@ -103,21 +105,26 @@ def latent_cache(call: ProbeCall) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys[:, 0], layer.values[:, 0]
 
 
-def _check_against_engine(call: ProbeCall, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                          ckv: list[torch.Tensor], kpe: list[torch.Tensor],
-                          rows: list[int]) -> float:
-    """Relative error of the absorbed math, projected back to the layer's output."""
-    module = call.instance
+def check_against_engine(module: Any, engine: list[torch.Tensor], q_nope: torch.Tensor,
+                         q_pe: torch.Tensor, ckv: list[torch.Tensor],
+                         kpe: list[torch.Tensor]) -> float:
+    """Largest relative L2 error, over query tokens, between the layer's real output
+    (``engine[i]``, ``[hidden]``) and the absorbed math on query ``i``'s keys projected
+    back through ``W_UV`` and ``o_proj``.
+
+    Raises:
+        ValueError: the error exceeds :data:`TOLERANCE` (the inputs are not the engine's).
+    """
     w_uv = _kv_b(module)[:, module.qk_nope_head_dim:].float()
     worst = 0.0
-    for i, b in enumerate(rows):
+    for i, real in enumerate(engine):
         c, p = ckv[i].float(), kpe[i].float()
         logits = (q_nope[i].float() @ c.T + q_pe[i].float() @ p.T) * module.scaling
         latent = torch.softmax(logits, dim=-1) @ c
         heads = torch.einsum("hc,hvc->hv", latent, w_uv).to(torch.bfloat16)
         mine = module.o_proj(heads.reshape(1, -1)).float()[0]
-        engine = call.result[0][b, 0].float()
-        worst = max(worst, float((mine - engine).norm() / engine.norm().clamp(min=1e-12)))
+        real = real.float()
+        worst = max(worst, float((mine - real).norm() / real.norm().clamp(min=1e-12)))
     if worst > TOLERANCE:
         raise ValueError(f"the absorbed MLA inputs do not reproduce the layer's output "
                          f"(relative error {worst:.3g} > {TOLERANCE})")
@@ -141,7 +148,8 @@ def _adapt(call: ProbeCall) -> Extracted | None:
     q_nope, q_pe = q_nope[rows, :, 0], q_pe[rows, :, 0]
     ckv = [ckv_all[b, c] for b, c in zip(rows, live)]
     kpe = [kpe_all[b, c] for b, c in zip(rows, live)]
-    error = _check_against_engine(call, q_nope, q_pe, ckv, kpe, rows)
+    engine = [call.result[0][b, 0] for b in rows]
+    error = check_against_engine(module, engine, q_nope, q_pe, ckv, kpe)
     pages = pack_pages([len(c) for c in live], PAGE_SIZE)
     notes = [PAD_NOTE,
              "ckv_cache/kpe_cache: the layer's cached latents (kv_nope after kv_a_layernorm, "

@@ -1,0 +1,212 @@
+"""DeepSeek sparse attention probes of the built-in engine (DeepSeek-V3.2).
+
+``dsa_indexer_topk`` — ``DeepseekV32Indexer.forward(hidden_states, q_resid, position_embeddings,
+attention_mask [B, S, T], position_ids, past_key_values)`` returns the engine's own top-k
+cache columns ``[B, S, k]``. Inputs: ``q_index`` recomputed from ``q_resid`` with the
+indexer's ``wq_b`` and RoPE (the same ops on the same tensors), ``k_index`` the indexer key
+cache as the engine holds it after the call, ``weights = weights_proj(x) * n_heads^-0.5 *
+softmax_scale`` (both positive factors move inside the relu, as the definition says). Each
+request's live key columns are packed in cache order into one flat key buffer; the engine's
+columns become rows of it, and its picks of masked keys (when fewer than ``index_topk`` are
+visible, ``topk`` returns -inf entries) become -1.
+
+``dsa_sparse_mla`` — ``DeepseekV32Attention.forward``: as for dense MLA
+(:mod:`~enginetap.engines.hf.probes.mla`) the engine runs un-absorbed and never forms the
+latent output, so inputs are reconstructed and checked against the layer's real output, and
+no output is stored. The keys each token attends are the indexer's choice; the indexer ran
+inside this forward, so its choice is recomputed op for op from its own key cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from enginetap.capture.probe import Extracted, Probe, ProbeCall
+from enginetap.dataset.schema import Definition
+from enginetap.engines.hf.probes.attention import PAGE_SIZE
+from enginetap.engines.hf.probes.common import (
+    PAD_NOTE,
+    BatchRequest,
+    batch_requests,
+    column_ranges,
+    end_aligned,
+    fill_pages,
+    instantiate,
+    pack_pages,
+    visible_columns,
+)
+from enginetap.engines.hf.probes.mla import (
+    absorbed_query,
+    check_against_engine,
+    latent_cache,
+    rms_norm_as_engine,
+)
+
+__all__ = ["DSA_PROBES"]
+
+
+def _live(requests: list[BatchRequest], mask: torch.Tensor | None,
+          kv_len: int) -> tuple[list[list[int]], list[torch.Tensor]] | None:
+    """Per request: live key columns and ``[queries, kv_len]`` visibility, or None when a
+    request's queries do not sit at the end of their keys."""
+    lives, seens = [], []
+    for r in requests:
+        q_len = mask.shape[-2] if mask is not None else max(r.columns) + 1
+        seen = visible_columns(mask, False, r.batch_row, q_len, kv_len)
+        live, ok = end_aligned(seen, r.columns)
+        if not ok:
+            return None
+        lives.append(live)
+        seens.append(seen[r.columns])
+    return lives, seens
+
+
+def _indexer_query(indexer: Any, q_resid: torch.Tensor,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``[B, S, heads, head_dim]``: the indexer's query as its forward computes it."""
+    batch, seq = q_resid.shape[:2]
+    q = indexer.wq_b(q_resid).view(batch, seq, indexer.n_heads, indexer.head_dim)
+    rot, rest = torch.split(q, [indexer.qk_rope_head_dim,
+                                indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    cos, sin = position_embeddings
+    rot, _ = sys.modules[type(indexer).__module__].apply_rotary_pos_emb(
+        rot, rot[:, :, :1], cos, sin, unsqueeze_dim=2)
+    return torch.cat([rot, rest], dim=-1)
+
+
+def _indexer_weights(indexer: Any, hidden: torch.Tensor) -> torch.Tensor:
+    return indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * (
+        indexer.n_heads ** -0.5)
+
+
+def _define_indexer(call: ProbeCall) -> Definition | None:
+    module = call.instance
+    if call.args.get("past_key_values") is None or not hasattr(module, "index_topk"):
+        return None
+    return instantiate("dsa_indexer_topk", index_n_heads=int(module.n_heads),
+                       index_head_dim=int(module.head_dim), index_topk=int(module.index_topk))
+
+
+def _adapt_indexer(call: ProbeCall) -> Extracted | None:
+    module, a = call.instance, call.args
+    keys = a["past_key_values"].layers[module.layer_idx].indexer_keys
+    requests = batch_requests(call)
+    found = _live(requests, a["attention_mask"], keys.shape[1])
+    if found is None:
+        return None
+    lives, seens = found
+    q = _indexer_query(module, a["q_resid"], a["position_embeddings"])
+    weights = _indexer_weights(module, a["hidden_states"]) * module.softmax_scale
+    topk = module.index_topk
+    qs, ws, ks, starts, ends, picks, notes = [], [], [], [], [], [], [PAD_NOTE]
+    base = 0
+    for r, live, seen in zip(requests, lives, seens):
+        row_of = {c: base + i for i, c in enumerate(live)}
+        ks.append(keys[r.batch_row, live])
+        for i, column in enumerate(r.columns):
+            qs.append(q[r.batch_row, column])
+            ws.append(weights[r.batch_row, column])
+            starts.append(base)
+            ends.append(base + int(seen[i].sum()))
+            chosen = [row_of[c] if bool(seen[i, c]) else -1
+                      for c in call.result[r.batch_row, column].tolist()]
+            picks.append(chosen + [-1] * (topk - len(chosen)))
+        notes.append(f"request {r.key}: key rows {base}..{base + len(live) - 1} are its "
+                     f"indexer cache columns {column_ranges(live)} of batch row {r.batch_row}")
+        base += len(live)
+    notes += ["q_index: recomputed from q_resid with the indexer's wq_b and RoPE (same ops)",
+              "weights: weights_proj(x) * n_heads^-0.5 * softmax_scale (positive factors "
+              "moved inside the relu)",
+              "topk_indices: the engine's cache columns mapped to key rows; its picks of "
+              "masked keys (fewer visible than index_topk) and missing slots are -1"]
+    inputs = {"q_index": torch.stack(qs), "k_index": torch.cat(ks),
+              "weights": torch.stack(ws).float(),
+              "key_start": torch.tensor(starts, dtype=torch.int32),
+              "key_end": torch.tensor(ends, dtype=torch.int32)}
+    return Extracted(inputs, {"topk_indices": torch.tensor(picks, dtype=torch.int32)}, notes)
+
+
+def _define_sparse(call: ProbeCall) -> Definition | None:
+    module = call.instance
+    indexer = getattr(module, "indexer", None)
+    if indexer is None or call.args.get("past_key_values") is None:
+        return None
+    return instantiate("dsa_sparse_mla", num_qo_heads=int(module.num_heads),
+                       head_dim_ckv=int(module.kv_lora_rank),
+                       head_dim_kpe=int(module.qk_rope_head_dim),
+                       topk=int(indexer.index_topk), page_size=PAGE_SIZE)
+
+
+def _indexer_choice(module: Any, call: ProbeCall, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S, k]``: the indexer's choice, recomputed as its forward computes it."""
+    a, indexer = call.args, module.indexer
+    q_resid = rms_norm_as_engine(module.q_a_layernorm, module.q_a_proj(a["hidden_states"]))
+    q = _indexer_query(indexer, q_resid, a["position_embeddings"])
+    keys = a["past_key_values"].layers[module.layer_idx].indexer_keys
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+    scores = torch.relu(scores * indexer.softmax_scale)
+    weights = _indexer_weights(indexer, a["hidden_states"])
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    index_scores = (index_scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                    else index_scores + mask)
+    k = min(indexer.index_topk, index_scores.shape[-1])
+    return index_scores.topk(k, dim=-1).indices
+
+
+def _adapt_sparse(call: ProbeCall) -> Extracted | None:
+    module, a = call.instance, call.args
+    mask = a["attention_mask"]
+    ckv_all, kpe_all = latent_cache(call)
+    requests = batch_requests(call)
+    found = None if mask is None else _live(requests, mask, ckv_all.shape[1])
+    if found is None:
+        return None
+    lives, seens = found
+    choice = _indexer_choice(module, call, mask[:, 0])
+    _, q_nope, q_pe = absorbed_query(module, a["hidden_states"], a["position_embeddings"])
+    pages = pack_pages([len(c) for c in lives], PAGE_SIZE)
+    topk = module.indexer.index_topk
+    qn, qp, indices, engine, ckv_rows, kpe_rows = [], [], [], [], [], []
+    for j, (r, live, seen) in enumerate(zip(requests, lives, seens)):
+        first = int(pages.indptr[j]) * PAGE_SIZE
+        row_of = {c: first + i for i, c in enumerate(live)}
+        for i, column in enumerate(r.columns):
+            picked = [c for c in choice[r.batch_row, column].tolist() if bool(seen[i, c])]
+            indices.append([row_of[c] for c in picked] + [-1] * (topk - len(picked)))
+            qn.append(q_nope[r.batch_row, :, column])
+            qp.append(q_pe[r.batch_row, :, column])
+            engine.append(call.result[0][r.batch_row, column])
+            ckv_rows.append(ckv_all[r.batch_row, picked])
+            kpe_rows.append(kpe_all[r.batch_row, picked])
+    error = check_against_engine(module, engine, torch.stack(qn), torch.stack(qp), ckv_rows,
+                                 kpe_rows)
+    notes = [PAD_NOTE,
+             "ckv_cache/kpe_cache: the layer's cached latents, each request's live columns "
+             f"packed into fresh {PAGE_SIZE}-token pages in request order",
+             "sparse_indices: the indexer's choice (recomputed op for op from its key cache "
+             "after the call), restricted to visible keys, as page*page_size+offset; -1 pads",
+             "q_pe recomputed with the layer's own ops; q_nope absorbed through W_UK in "
+             "float32, rounded to bf16 (the engine runs MLA un-absorbed)",
+             "outputs: none stored; the engine never forms the latent-space output or lse",
+             f"checked: reference math on these inputs, through W_UV and o_proj, gives the "
+             f"layer's real output within relative error {error:.2e}"]
+    inputs = {"q_nope": torch.stack(qn), "q_pe": torch.stack(qp),
+              "ckv_cache": fill_pages([ckv_all[r.batch_row, c] for r, c in zip(requests, lives)],
+                                      PAGE_SIZE),
+              "kpe_cache": fill_pages([kpe_all[r.batch_row, c] for r, c in zip(requests, lives)],
+                                      PAGE_SIZE),
+              "sparse_indices": torch.tensor(indices, dtype=torch.int32),
+              "sm_scale": float(module.scaling)}
+    return Extracted(inputs, {}, notes)
+
+
+DSA_PROBES: list[Probe] = [
+    Probe("hf.dsa.indexer", "dsa_indexer_topk", _define_indexer, _adapt_indexer,
+          suffix="V32Indexer", description="DeepseekV32Indexer.forward (lightning indexer)"),
+    Probe("hf.dsa.sparse_mla", "dsa_sparse_mla", _define_sparse, _adapt_sparse,
+          suffix="V32Attention", description="DeepseekV32Attention.forward (sparse MLA; "
+          "inputs reconstructed in the absorbed form)"),
+]
