@@ -36,6 +36,9 @@ _CALLS: list[list[Request]] = [
     # "d" extends "a"'s prompt: full-attention models reuse a's 22 cached tokens.
     [Request("d", prompt_ids=_PROMPT + [41, 42, 43], max_new_tokens=4),
      Request("e", prompt_ids=[11, 12], max_new_tokens=2)],
+    # One fresh request alone: no padding, so transformers passes SDPA no mask at all
+    # (is_causal prefill, enable_gqa decode).
+    [Request("f", prompt_ids=[200 + i for i in range(11)], max_new_tokens=3)],
 ]
 
 

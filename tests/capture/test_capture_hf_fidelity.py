@@ -5,6 +5,7 @@ catalog lists for a model is captured (or its absence is explained here)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from enginetap.dataset import Dataset
 from enginetap.definitions.catalog import definitions_for_config
@@ -53,6 +54,9 @@ def test_armed_and_disarmed_tokens_are_identical(model, hf_capture_root):
     run = capture_run(model, hf_capture_root)
     assert run.armed_tokens == run.disarmed_tokens
     assert all(run.armed_tokens)
+    # Disarming put the kernel the attention probes wrap back as it was.
+    assert type(torch.nn.functional.scaled_dot_product_attention).__name__ == \
+        "builtin_function_or_method"
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -98,3 +102,17 @@ def test_captured_dataset_loads_in_flashinfer_bench(model, hf_capture_root):
         assert theirs.model_dump(mode="json") == definition.model_dump(mode="json")
         assert [t.workload.uuid for t in traces.workloads[name]] == [
             line.workload.uuid for line in ours.workloads(name)]
+
+
+@pytest.mark.parametrize("family", ["gqa_ragged_prefill", "gqa_paged_decode"])
+def test_masked_and_unmasked_attention_calls_are_both_captured(family, hf_capture_root):
+    # A padded batch gets a bool mask and kv heads repeated by transformers (repeat_kv); a
+    # batch without padding ("f" alone, or "a" once the others finished) gets no mask and
+    # the kv heads as they are (enable_gqa). Both layouts reach the dataset, and replay.
+    run = capture_run("llama", hf_capture_root)
+    repeated = []
+    for name, lines in workload_lines(run).items():
+        if name.startswith(family):
+            repeated += [any(n.startswith("kv heads:") for n in line.enginetap.receipt.notes[
+                "adapter"]) for line in lines]
+    assert set(repeated) == {True, False}
