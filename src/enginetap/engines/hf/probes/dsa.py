@@ -90,6 +90,22 @@ def _define_indexer(call: ProbeCall) -> Definition | None:
                        index_head_dim=int(module.head_dim), index_topk=int(module.index_topk))
 
 
+_INDEXER_NOTES = [
+    "q_index: recomputed from q_resid with the indexer's wq_b and RoPE (same ops)",
+    "weights: weights_proj(x) * n_heads^-0.5 * softmax_scale (positive factors moved inside "
+    "the relu)",
+    "topk_indices: the engine's cache columns mapped to key rows; its picks of masked keys "
+    "(fewer visible than index_topk) and missing slots are -1"]
+
+
+def _picks_as_rows(columns: list[int], seen: torch.Tensor, row_of: dict[int, int],
+                   topk: int) -> list[int]:
+    """Chosen cache columns as rows of the packed key buffer; masked picks and missing
+    slots (fewer keys than ``topk``) are -1."""
+    rows = [row_of[c] if bool(seen[c]) else -1 for c in columns]
+    return rows + [-1] * (topk - len(rows))
+
+
 def _adapt_indexer(call: ProbeCall) -> Extracted | None:
     module, a = call.instance, call.args
     keys = a["past_key_values"].layers[module.layer_idx].indexer_keys
@@ -97,36 +113,26 @@ def _adapt_indexer(call: ProbeCall) -> Extracted | None:
     found = _live(requests, a["attention_mask"], keys.shape[1])
     if found is None:
         return None
-    lives, seens = found
     q = _indexer_query(module, a["q_resid"], a["position_embeddings"])
     weights = _indexer_weights(module, a["hidden_states"]) * module.softmax_scale
-    topk = module.index_topk
-    qs, ws, ks, starts, ends, picks, notes = [], [], [], [], [], [], [PAD_NOTE]
-    base = 0
-    for r, live, seen in zip(requests, lives, seens):
+    tokens, ks, ends, picks, notes, base = [], [], [], [], [PAD_NOTE], 0
+    for r, live, seen in zip(requests, *found):
         row_of = {c: base + i for i, c in enumerate(live)}
         ks.append(keys[r.batch_row, live])
-        for i, column in enumerate(r.columns):
-            qs.append(q[r.batch_row, column])
-            ws.append(weights[r.batch_row, column])
-            starts.append(base)
-            ends.append(base + int(seen[i].sum()))
-            chosen = [row_of[c] if bool(seen[i, c]) else -1
-                      for c in call.result[r.batch_row, column].tolist()]
-            picks.append(chosen + [-1] * (topk - len(chosen)))
+        tokens += [(r.batch_row, c, base) for c in r.columns]
+        ends += [base + int(seen[i].sum()) for i in range(len(r.columns))]
+        picks += [_picks_as_rows(call.result[r.batch_row, c].tolist(), seen[i], row_of,
+                                 module.index_topk) for i, c in enumerate(r.columns)]
         notes.append(f"request {r.key}: key rows {base}..{base + len(live) - 1} are its "
                      f"indexer cache columns {column_ranges(live)} of batch row {r.batch_row}")
         base += len(live)
-    notes += ["q_index: recomputed from q_resid with the indexer's wq_b and RoPE (same ops)",
-              "weights: weights_proj(x) * n_heads^-0.5 * softmax_scale (positive factors "
-              "moved inside the relu)",
-              "topk_indices: the engine's cache columns mapped to key rows; its picks of "
-              "masked keys (fewer visible than index_topk) and missing slots are -1"]
-    inputs = {"q_index": torch.stack(qs), "k_index": torch.cat(ks),
-              "weights": torch.stack(ws).float(),
-              "key_start": torch.tensor(starts, dtype=torch.int32),
+    inputs = {"q_index": torch.stack([q[b, c] for b, c, _ in tokens]),
+              "k_index": torch.cat(ks),
+              "weights": torch.stack([weights[b, c] for b, c, _ in tokens]).float(),
+              "key_start": torch.tensor([s for _, _, s in tokens], dtype=torch.int32),
               "key_end": torch.tensor(ends, dtype=torch.int32)}
-    return Extracted(inputs, {"topk_indices": torch.tensor(picks, dtype=torch.int32)}, notes)
+    return Extracted(inputs, {"topk_indices": torch.tensor(picks, dtype=torch.int32)},
+                     notes + _INDEXER_NOTES)
 
 
 def _define_sparse(call: ProbeCall) -> Definition | None:
@@ -156,6 +162,17 @@ def _indexer_choice(module: Any, call: ProbeCall, mask: torch.Tensor) -> torch.T
     return index_scores.topk(k, dim=-1).indices
 
 
+_SPARSE_NOTES = [
+    PAD_NOTE,
+    "ckv_cache/kpe_cache: the layer's cached latents, each request's live columns packed "
+    f"into fresh {PAGE_SIZE}-token pages in request order",
+    "sparse_indices: the indexer's choice (recomputed op for op from its key cache after the "
+    "call), restricted to visible keys, as page*page_size+offset; -1 pads",
+    "q_pe recomputed with the layer's own ops; q_nope absorbed through W_UK in float32, "
+    "rounded to bf16 (the engine runs MLA un-absorbed)",
+    "outputs: none stored; the engine never forms the latent-space output or lse"]
+
+
 def _adapt_sparse(call: ProbeCall) -> Extracted | None:
     module, a = call.instance, call.args
     mask = a["attention_mask"]
@@ -168,39 +185,29 @@ def _adapt_sparse(call: ProbeCall) -> Extracted | None:
     choice = _indexer_choice(module, call, mask[:, 0])
     _, q_nope, q_pe = absorbed_query(module, a["hidden_states"], a["position_embeddings"])
     pages = pack_pages([len(c) for c in lives], PAGE_SIZE)
-    topk = module.indexer.index_topk
-    qn, qp, indices, engine, ckv_rows, kpe_rows = [], [], [], [], [], []
+    tokens, indices, picked = [], [], []
     for j, (r, live, seen) in enumerate(zip(requests, lives, seens)):
-        first = int(pages.indptr[j]) * PAGE_SIZE
-        row_of = {c: first + i for i, c in enumerate(live)}
+        row_of = {c: int(pages.indptr[j]) * PAGE_SIZE + i for i, c in enumerate(live)}
         for i, column in enumerate(r.columns):
-            picked = [c for c in choice[r.batch_row, column].tolist() if bool(seen[i, c])]
-            indices.append([row_of[c] for c in picked] + [-1] * (topk - len(picked)))
-            qn.append(q_nope[r.batch_row, :, column])
-            qp.append(q_pe[r.batch_row, :, column])
-            engine.append(call.result[0][r.batch_row, column])
-            ckv_rows.append(ckv_all[r.batch_row, picked])
-            kpe_rows.append(kpe_all[r.batch_row, picked])
-    error = check_against_engine(module, engine, torch.stack(qn), torch.stack(qp), ckv_rows,
-                                 kpe_rows)
-    notes = [PAD_NOTE,
-             "ckv_cache/kpe_cache: the layer's cached latents, each request's live columns "
-             f"packed into fresh {PAGE_SIZE}-token pages in request order",
-             "sparse_indices: the indexer's choice (recomputed op for op from its key cache "
-             "after the call), restricted to visible keys, as page*page_size+offset; -1 pads",
-             "q_pe recomputed with the layer's own ops; q_nope absorbed through W_UK in "
-             "float32, rounded to bf16 (the engine runs MLA un-absorbed)",
-             "outputs: none stored; the engine never forms the latent-space output or lse",
-             f"checked: reference math on these inputs, through W_UV and o_proj, gives the "
-             f"layer's real output within relative error {error:.2e}"]
-    inputs = {"q_nope": torch.stack(qn), "q_pe": torch.stack(qp),
+            chosen = [c for c in choice[r.batch_row, column].tolist() if bool(seen[i, c])]
+            picked.append((r.batch_row, chosen))
+            tokens.append((r.batch_row, column))
+            indices.append(_picks_as_rows(chosen, seen[i], row_of, module.indexer.index_topk))
+    qn = torch.stack([q_nope[b, :, c] for b, c in tokens])
+    qp = torch.stack([q_pe[b, :, c] for b, c in tokens])
+    error = check_against_engine(module, [call.result[0][b, c] for b, c in tokens], qn, qp,
+                                 [ckv_all[b, cs] for b, cs in picked],
+                                 [kpe_all[b, cs] for b, cs in picked])
+    inputs = {"q_nope": qn, "q_pe": qp,
               "ckv_cache": fill_pages([ckv_all[r.batch_row, c] for r, c in zip(requests, lives)],
                                       PAGE_SIZE),
               "kpe_cache": fill_pages([kpe_all[r.batch_row, c] for r, c in zip(requests, lives)],
                                       PAGE_SIZE),
               "sparse_indices": torch.tensor(indices, dtype=torch.int32),
               "sm_scale": float(module.scaling)}
-    return Extracted(inputs, {}, notes)
+    return Extracted(inputs, {}, [*_SPARSE_NOTES, f"checked: reference math on these inputs, "
+                                  "through W_UV and o_proj, gives the layer's real output "
+                                  f"within relative error {error:.2e}"])
 
 
 DSA_PROBES: list[Probe] = [
