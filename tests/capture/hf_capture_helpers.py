@@ -57,30 +57,35 @@ class CaptureRun:
         return self.out_dir / "dataset"
 
 
-def _generate(engine: HFEngine) -> list[list[int]]:
-    return [c.output_ids for call in _CALLS for c in engine.generate(call)]
+def _generate(engine: HFEngine, calls: list[list[Request]]) -> list[list[int]]:
+    return [c.output_ids for call in calls for c in engine.generate(call)]
 
 
 _RUNS: dict[str, CaptureRun] = {}
 
 
-def capture_run(model: str, root: Path) -> CaptureRun:
-    """The capture run of ``model`` (done once per session, under ``root``)."""
-    if model not in _RUNS:
-        out = root / model
+def capture_run(model: str, root: Path, *, calls: list[list[Request]] | None = None,
+                capture: dict[str, Any] | None = None, tag: str = "") -> CaptureRun:
+    """The capture run of ``model`` (done once per session and ``tag``, under ``root``):
+    ``calls`` (default: the traffic above) armed with ``capture`` options (default: the
+    :data:`POLICY`), then the same calls disarmed."""
+    key = f"{model}{tag}"
+    if key not in _RUNS:
+        calls = calls or _CALLS
+        out = root / key
         arm = ArmConfig(enabled=True, capabilities=["capture"], out_dir=out,
-                        options={"capture": {"policy": POLICY}})
+                        options={"capture": capture or {"policy": POLICY}})
         try:
             engine = HFEngine.from_builtin(model, arm=arm)
-            armed = _generate(engine)
+            armed = _generate(engine, calls)
             reuse = engine.prefix_reuse
         finally:
             disarm()
-        disarmed = _generate(HFEngine.from_builtin(model, arm=ArmConfig(enabled=False)))
+        disarmed = _generate(HFEngine.from_builtin(model, arm=ArmConfig(enabled=False)), calls)
         summary = json.loads((out / "capture-summary-rank0.json").read_text())
         config = json.loads((engine.model_dir / "config.json").read_text())
-        _RUNS[model] = CaptureRun(model, out, armed, disarmed, summary, config, reuse)
-    return _RUNS[model]
+        _RUNS[key] = CaptureRun(model, out, armed, disarmed, summary, config, reuse)
+    return _RUNS[key]
 
 
 def workload_lines(run: CaptureRun) -> dict[str, list[WorkloadLine]]:
