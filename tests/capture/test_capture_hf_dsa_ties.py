@@ -56,6 +56,10 @@ def test_indexer_mismatches_on_a_long_prompt_are_exact_ties(hf_capture_root):
     mismatches = _mismatches(dataset, name)
     assert mismatches, "the long prompt is chosen to hit boundary ties"
     assert all(a == b == 0.0 for a, b in mismatches)
+    # The adapter says so in the receipts.
+    notes = [n for line in dataset.workloads(name)
+             for n in line.enginetap.receipt.notes["adapter"]]
+    assert any("exactly equal scores at the top-k boundary" in n for n in notes)
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -115,6 +115,7 @@ def _adapt_indexer(call: ProbeCall) -> Extracted | None:
         return None
     q = _indexer_query(module, a["q_resid"], a["position_embeddings"])
     weights = _indexer_weights(module, a["hidden_states"]) * module.softmax_scale
+    scores = _index_scores(module, q, keys, a["hidden_states"], a["attention_mask"])
     tokens, ks, ends, picks, notes, base = [], [], [], [], [PAD_NOTE], 0
     for r, live, seen in zip(requests, *found):
         row_of = {c: base + i for i, c in enumerate(live)}
@@ -131,6 +132,10 @@ def _adapt_indexer(call: ProbeCall) -> Extracted | None:
               "weights": torch.stack([weights[b, c] for b, c, _ in tokens]).float(),
               "key_start": torch.tensor([s for _, _, s in tokens], dtype=torch.int32),
               "key_end": torch.tensor(ends, dtype=torch.int32)}
+    ties = _boundary_ties(torch.stack([scores[b, c] for b, c, _ in tokens]), module.index_topk)
+    if ties:
+        notes.append(f"{ties} token(s) have exactly equal scores at the top-k boundary: the "
+                     "engine's torch.topk chose among them in no defined order")
     return Extracted(inputs, {"topk_indices": torch.tensor(picks, dtype=torch.int32)},
                      notes + _INDEXER_NOTES)
 
@@ -146,20 +151,35 @@ def _define_sparse(call: ProbeCall) -> Definition | None:
                        topk=int(indexer.index_topk), page_size=PAGE_SIZE)
 
 
+def _index_scores(indexer: Any, q: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S, T]``: the indexer's masked scores, op for op as its forward computes them."""
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+    scores = torch.relu(scores * indexer.softmax_scale)
+    weights = _indexer_weights(indexer, hidden)
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    return (index_scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+            else index_scores + mask)
+
+
 def _indexer_choice(module: Any, call: ProbeCall, mask: torch.Tensor) -> torch.Tensor:
     """``[B, S, k]``: the indexer's choice, recomputed as its forward computes it."""
     a, indexer = call.args, module.indexer
     q_resid = rms_norm_as_engine(module.q_a_layernorm, module.q_a_proj(a["hidden_states"]))
     q = _indexer_query(indexer, q_resid, a["position_embeddings"])
     keys = a["past_key_values"].layers[module.layer_idx].indexer_keys
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
-    scores = torch.relu(scores * indexer.softmax_scale)
-    weights = _indexer_weights(indexer, a["hidden_states"])
-    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-    index_scores = (index_scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
-                    else index_scores + mask)
+    index_scores = _index_scores(indexer, q, keys, a["hidden_states"], mask)
     k = min(indexer.index_topk, index_scores.shape[-1])
     return index_scores.topk(k, dim=-1).indices
+
+
+def _boundary_ties(scores: torch.Tensor, topk: int) -> int:
+    """Tokens whose k-th and (k+1)-th best finite scores are equal (``scores [N, T]``)."""
+    if scores.shape[-1] <= topk:
+        return 0
+    best = scores.topk(topk + 1, dim=-1).values
+    tied = (best[:, topk - 1] == best[:, topk]) & torch.isfinite(best[:, topk])
+    return int(tied.sum())
 
 
 _SPARSE_NOTES = [
