@@ -1,34 +1,14 @@
-"""Capture probes of the built-in transformers engine (a table, plus small adapters).
-
-The built-in engine runs a padded batch (``[batch, columns, ...]``, left-padded); every
-adapter keeps only the step's real token rows, picked with ``rows.token_index``, and says
-so in its notes. Classes are matched by name suffix in the loaded model, so one entry
-covers Llama, Qwen3, Qwen3-Next and DeepSeek alike where their code agrees.
-"""
+"""RMSNorm probe of the built-in engine: every ``*RMSNorm.forward`` of the model."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from enginetap.capture.probe import Extracted, Probe, ProbeCall, instantiate
+from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.dataset.schema import Definition
+from enginetap.engines.hf.probes.common import DTYPES, PAD_NOTE, instantiate, token_rows
 
-__all__ = ["PROBES", "token_rows"]
-
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def token_rows(call: ProbeCall, tensor: torch.Tensor) -> torch.Tensor:
-    """The step's real token rows of ``tensor`` (``[batch, columns, *rest]``, or already
-    flat ``[tokens, *rest]``), as ``[rows, *rest]`` in step-row order (padding dropped)."""
-    step = call.step
-    padded = step.padded_tokens or len(step.rows)
-    flat = tensor.reshape(padded, *tensor.shape[2:]) if tensor.dim() >= 2 and \
-        tensor.shape[0] * tensor.shape[1] == padded and tensor.shape[0] != padded else tensor
-    index = step.device_rows("token_index", flat.device)
-    return flat.index_select(0, index)
+__all__ = ["NORM_PROBES"]
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -39,7 +19,7 @@ def _norm_is_offset(module: Any) -> bool:
 
 def _define_rmsnorm(call: ProbeCall) -> Definition | None:
     x = call.args.get("hidden_states", call.args.get("x"))
-    dtype = _DTYPES.get(getattr(x, "dtype", None))
+    dtype = DTYPES.get(getattr(x, "dtype", None))
     weight = getattr(call.instance, "weight", None)
     if dtype is None or weight is None or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         return None
@@ -47,7 +27,7 @@ def _define_rmsnorm(call: ProbeCall) -> Definition | None:
     # multiplies in float32 and rounds once.
     rounding = "once" if _norm_is_offset(call.instance) else "twice"
     return instantiate("rmsnorm", hidden_size=int(weight.shape[0]), dtype=dtype,
-                        rounding=rounding)
+                       rounding=rounding)
 
 
 def _adapt_rmsnorm(call: ProbeCall) -> Extracted:
@@ -57,7 +37,7 @@ def _adapt_rmsnorm(call: ProbeCall) -> Extracted:
     rows = token_rows(call, x).reshape(-1, width)
     output = token_rows(call, call.result).reshape(-1, width)
     weight = module.weight.detach()
-    notes = ["padding rows of the engine's left-padded batch dropped; rows in step order"]
+    notes = [PAD_NOTE]
     if x.shape[-2] != call.step.padded_tokens and x.dim() > 3:
         notes.append(f"per-head norm: {x.shape[-2]} heads per token flattened into rows")
     if _norm_is_offset(module):
@@ -69,7 +49,7 @@ def _adapt_rmsnorm(call: ProbeCall) -> Extracted:
                      {"output": output}, notes)
 
 
-PROBES: list[Probe] = [
+NORM_PROBES: list[Probe] = [
     Probe("hf.rmsnorm", "rmsnorm", _define_rmsnorm, _adapt_rmsnorm, suffix="RMSNorm",
           description="every *RMSNorm.forward(hidden_states) of the model"),
 ]

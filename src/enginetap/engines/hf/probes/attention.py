@@ -1,0 +1,191 @@
+"""GQA attention probes of the built-in engine: the SDPA kernel call of every ``*Attention``.
+
+transformers looks its attention function up in a dict (``ALL_ATTENTION_FUNCTIONS``), so
+the hook is the kernel that function calls by attribute: ``torch.nn.functional.
+scaled_dot_product_attention``, only while a ``*Attention`` sublayer runs. It gets
+``query [B, Hq, Lq, D]`` and ``key``/``value [B, H, Lk, D]`` over the whole padded dense
+cache, where ``H`` is ``Hq`` (transformers repeated the kv heads, ``repeat_kv``, because a
+mask is given) or the kv heads (``enable_gqa``), plus a bool ``[B, 1, Lq, Lk]`` mask (or
+none). The adapters keep the real query rows, recover the kv heads, and take each request's
+live cache columns from the mask the kernel got:
+
+- prefill → ``gqa_ragged_prefill``: the request's live columns packed in cache order (its
+  reused prefix, then its prompt suffix), queries at the end of them;
+- decode → ``gqa_paged_decode``: the live columns packed into fresh pages of the
+  definition's page size, pages numbered 0.. in request order (compacted).
+
+Each query's visible columns are checked against the definition's causal rule (queries at
+the end of their keys); a mask the definition cannot describe is declined, never bent.
+MLA modules (DeepSeek) call the same kernel; they are left to the MLA probe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from enginetap.capture.probe import Extracted, Probe, ProbeCall
+from enginetap.core.scope import current_module
+from enginetap.dataset.schema import Definition
+from enginetap.engines.hf.probes.common import (
+    DTYPES,
+    PAD_NOTE,
+    batch_requests,
+    column_ranges,
+    end_aligned,
+    fill_pages,
+    instantiate,
+    pack_pages,
+    visible_columns,
+)
+
+__all__ = ["ATTENTION_PROBES", "PAGE_SIZE"]
+
+PAGE_SIZE = 16
+"""Tokens per page of the captured decode cache (the catalog's default page size)."""
+
+SDPA = "torch.nn.functional:scaled_dot_product_attention"
+
+
+def _sdpa_signature(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                    enable_gqa: bool = False) -> None:
+    """The parameters of ``torch.nn.functional.scaled_dot_product_attention`` (a builtin
+    without an introspectable signature)."""
+
+
+def _gqa_shape(call: ProbeCall) -> tuple[int, int, int, str] | None:
+    """``(q heads, kv heads, head dim, dtype)`` when this call is plain GQA, else None."""
+    module = current_module()
+    q, k, v = call.args["query"], call.args["key"], call.args["value"]
+    if module is None or hasattr(module, "kv_lora_rank") or call.args["dropout_p"]:
+        return None
+    dtype = DTYPES.get(q.dtype)
+    if q.dim() != 4 or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1] or not dtype:
+        return None
+    heads = int(q.shape[1])
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if heads % groups:
+        return None
+    return heads, heads // groups, int(q.shape[-1]), dtype
+
+
+def _define(call: ProbeCall) -> Definition | None:
+    shape = _gqa_shape(call)
+    if shape is None or call.step.mode == "mixed":
+        return None
+    heads, kv_heads, head_dim, dtype = shape
+    gqa = {"num_qo_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype}
+    if call.step.mode == "prefill":
+        return instantiate("gqa_ragged_prefill", **gqa)
+    return instantiate("gqa_paged_decode", **gqa, page_size=PAGE_SIZE)
+
+
+def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str) -> torch.Tensor:
+    """``[B, kv_heads, Lk, D]``: undo transformers' ``repeat_kv`` (checked, not assumed)."""
+    heads = tensor.shape[1]
+    if heads == kv_heads:
+        return tensor
+    group = heads // kv_heads
+    kept = tensor[:, ::group]
+    if not torch.equal(kept.repeat_interleave(group, dim=1), tensor):
+        raise ValueError(f"{name}: the engine's {heads} heads are not {kv_heads} kv heads "
+                         f"each repeated {group} times")
+    if name == "key":
+        notes.append(f"kv heads: the engine repeated each of {kv_heads} kv heads {group} times "
+                     "(repeat_kv, since a mask is given) before the kernel; one of each kept")
+    return kept
+
+
+class _Live:
+    """Per request: live key columns, and whether every request's queries sit at the end
+    of them (the definitions' causal rule)."""
+
+    def __init__(self, call: ProbeCall, q_len: int, kv_len: int) -> None:
+        mask, causal = call.args["attn_mask"], bool(call.args["is_causal"])
+        self.requests = batch_requests(call)
+        self.columns: list[list[int]] = []
+        self.ok = True
+        for request in self.requests:
+            seen = visible_columns(mask, causal, request.batch_row, q_len, kv_len)
+            live, ok = end_aligned(seen, request.columns)
+            self.columns.append(live)
+            self.ok = self.ok and ok
+
+
+def _adapt_prefill(call: ProbeCall) -> Extracted | None:
+    assert call.definition is not None
+    q, k, v = call.args["query"], call.args["key"], call.args["value"]
+    kv_heads = call.definition.const_axes["num_kv_heads"]
+    live = _Live(call, q.shape[2], k.shape[2])
+    if not live.ok:
+        return None  # a mask the definition cannot describe (sliding window, bidirectional)
+    notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD rows"]
+    k, v = _kv_heads(k, kv_heads, notes, "key"), _kv_heads(v, kv_heads, notes, "value")
+    qs, ks, vs, outs, q_lens, kv_lens = [], [], [], [], [], []
+    for request, columns in zip(live.requests, live.columns):
+        qs.append(q[request.batch_row, :, request.columns].transpose(0, 1))
+        outs.append(call.result[request.batch_row, :, request.columns].transpose(0, 1))
+        ks.append(k[request.batch_row, :, columns].transpose(0, 1))
+        vs.append(v[request.batch_row, :, columns].transpose(0, 1))
+        q_lens.append(len(request.columns))
+        kv_lens.append(len(columns))
+        notes.append(f"request {request.key}: keys are its live cache columns "
+                     f"{column_ranges(columns)} of batch row {request.batch_row} "
+                     f"({len(columns) - len(request.columns)} cached before this step)")
+    notes.append("lse: the engine's kernel does not return it; not stored")
+    inputs = {"q": torch.cat(qs), "k": torch.cat(ks), "v": torch.cat(vs),
+              "qo_indptr": _indptr(q_lens), "kv_indptr": _indptr(kv_lens),
+              "sm_scale": _scale(call, q.shape[-1])}
+    return Extracted(inputs, {"output": torch.cat(outs)}, notes)
+
+
+def _adapt_decode(call: ProbeCall) -> Extracted | None:
+    assert call.definition is not None
+    q, k, v = call.args["query"], call.args["key"], call.args["value"]
+    consts = call.definition.const_axes
+    live = _Live(call, q.shape[2], k.shape[2])
+    if not live.ok or any(len(r.columns) != 1 for r in live.requests):
+        return None
+    notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD"]
+    k, v = _kv_heads(k, consts["num_kv_heads"], notes, "key"), _kv_heads(
+        v, consts["num_kv_heads"], notes, "value")
+    rows = [r.batch_row for r in live.requests]
+    page_size = consts["page_size"]
+    pages = pack_pages([len(c) for c in live.columns], page_size)
+    keys = [k[b, :, c].transpose(0, 1) for b, c in zip(rows, live.columns)]
+    values = [v[b, :, c].transpose(0, 1) for b, c in zip(rows, live.columns)]
+    notes.append(f"paged cache: the engine's dense padded cache compacted to each request's "
+                 f"live columns, packed into fresh {page_size}-token pages numbered in request "
+                 "order; unused slots of last pages are zero")
+    notes += [f"request {r.key}: pages {pages.indices[pages.indptr[i]:pages.indptr[i + 1]].tolist()}"
+              f" hold cache columns {column_ranges(c)} of batch row {r.batch_row}"
+              for i, (r, c) in enumerate(zip(live.requests, live.columns))]
+    notes.append("lse: the engine's kernel does not return it; not stored")
+    inputs = {"q": q[rows, :, 0], "k_cache": fill_pages(keys, page_size),
+              "v_cache": fill_pages(values, page_size), "kv_indptr": pages.indptr,
+              "kv_indices": pages.indices, "kv_last_page_len": pages.last_page_len,
+              "sm_scale": _scale(call, q.shape[-1])}
+    return Extracted(inputs, {"output": call.result[rows, :, 0]}, notes)
+
+
+def _indptr(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out
+
+
+def _scale(call: ProbeCall, head_dim: int) -> float:
+    scale = call.args["scale"]
+    return float(scale) if scale is not None else head_dim ** -0.5
+
+
+ATTENTION_PROBES: list[Probe] = [
+    Probe("hf.gqa.prefill", "gqa_ragged_prefill", _define, _adapt_prefill, target=SDPA,
+          when="prefill", inside="Attention", signature=_sdpa_signature,
+          description="scaled_dot_product_attention inside *Attention on prefill steps"),
+    Probe("hf.gqa.decode", "gqa_paged_decode", _define, _adapt_decode, target=SDPA,
+          when="decode", inside="Attention", signature=_sdpa_signature,
+          description="scaled_dot_product_attention inside *Attention on decode steps"),
+]

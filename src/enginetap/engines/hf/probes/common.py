@@ -1,0 +1,145 @@
+"""Helpers shared by the built-in engine's probes: real rows of the padded batch, requests,
+pages and the notes that describe each change of layout.
+
+The built-in engine runs a left-padded batch ``[batch, columns, ...]``; step row ``i`` is
+token ``rows.token_index[i] = b * columns + column`` of it (see
+:mod:`enginetap.engines.hf.batch`). Rows of one request are contiguous in step order, so a
+request is one batch row ``b`` with its real columns in ascending order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from enginetap.capture.probe import ProbeCall
+from enginetap.capture.probe import instantiate as cached_instantiate
+from enginetap.dataset.schema import Definition
+from enginetap.definitions import get_template
+
+__all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
+           "end_aligned", "fill_pages", "instantiate", "pack_pages", "token_rows", "visible_columns"]
+
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+PAD_NOTE = "padding rows of the engine's left-padded batch dropped; rows in step order"
+
+
+def instantiate(family: str, **values: Any) -> Definition:
+    """The family's definition for ``values`` (kept per distinct values by capture)."""
+    return cached_instantiate(family, **values)
+
+
+def token_rows(call: ProbeCall, tensor: torch.Tensor) -> torch.Tensor:
+    """The step's real token rows of ``tensor`` (``[batch, columns, *rest]``, or already
+    flat ``[tokens, *rest]``), as ``[rows, *rest]`` in step-row order (padding dropped)."""
+    step = call.step
+    padded = step.padded_tokens or len(step.rows)
+    flat = tensor.reshape(padded, *tensor.shape[2:]) if tensor.dim() >= 2 and \
+        tensor.shape[0] * tensor.shape[1] == padded and tensor.shape[0] != padded else tensor
+    index = step.device_rows("token_index", flat.device)
+    return flat.index_select(0, index)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request of the step: its batch row, real columns and step rows."""
+
+    batch_row: int
+    columns: list[int]
+    rows: list[int]
+    key: str
+
+
+def batch_requests(call: ProbeCall) -> list[BatchRequest]:
+    """The step's requests in step order, from ``rows.token_index`` and the input shape."""
+    step = call.step
+    columns = int(step.extra["input_shape"][1])
+    index = step.rows.token_index or list(range(len(step.rows)))
+    found: dict[int, BatchRequest] = {}
+    for row, flat in enumerate(index):
+        b, column = divmod(flat, columns)
+        if b not in found:
+            found[b] = BatchRequest(b, [], [], step.rows.keys[row])
+        found[b].columns.append(column)
+        found[b].rows.append(row)
+    return list(found.values())
+
+
+def column_ranges(columns: list[int]) -> str:
+    """``[0, 1, 2, 5, 6]`` → ``"0-2,5-6"`` (how notes name original cache columns)."""
+    parts, start = [], None
+    for i, c in enumerate(columns):
+        if start is None:
+            start = c
+        if i + 1 == len(columns) or columns[i + 1] != c + 1:
+            parts.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ",".join(parts)
+
+
+def visible_columns(mask: torch.Tensor | None, is_causal: bool, b: int, q_len: int,
+                    kv_len: int) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool: which key columns each query column of batch row ``b``
+    may attend, from the mask the kernel got (bool, or additive float), or from
+    ``is_causal`` (top-left aligned, as SDPA reads it) when there is none."""
+    if mask is None:
+        if is_causal:
+            return torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+        return torch.ones(q_len, kv_len, dtype=torch.bool)
+    row = mask[b if mask.shape[0] > 1 else 0]
+    row = row[0] if row.dim() == 3 else row
+    row = row.expand(q_len, kv_len)
+    if row.dtype == torch.bool:
+        return row.cpu()
+    return (row > torch.finfo(row.dtype).min / 2).cpu()
+
+
+def end_aligned(seen: torch.Tensor, columns: list[int]) -> tuple[list[int], bool]:
+    """A request's live key columns (those its last query sees, in cache order) and whether
+    each of its queries sees exactly a prefix of them ending at its own place: query ``i``
+    of ``n`` sees the first ``len(live) - n + i + 1`` (queries at the end of their keys).
+    ``seen`` is :func:`visible_columns` of the request's batch row."""
+    queries = seen[columns]
+    live = torch.nonzero(queries[-1]).flatten()
+    n, total = len(columns), int(live.numel())
+    expected = torch.zeros_like(queries)
+    for i in range(n):
+        expected[i, live[: max(0, total - n + i + 1)]] = True
+    return live.tolist(), total >= n and torch.equal(queries, expected)
+
+
+@dataclass
+class Pages:
+    """Requests' tokens packed into a compact paged cache (page ids 0, 1, ... in order)."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    notes: list[str]
+
+
+def pack_pages(lengths: list[int], page_size: int) -> Pages:
+    """Page tables for requests of ``lengths`` tokens, each on its own fresh pages."""
+    counts = [max(1, math.ceil(n / page_size)) for n in lengths]
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+    last = [n - (c - 1) * page_size for n, c in zip(lengths, counts)]
+    return Pages(indptr, torch.arange(int(indptr[-1]), dtype=torch.int32),
+                 torch.tensor(last, dtype=torch.int32), [])
+
+
+def fill_pages(tokens: list[torch.Tensor], page_size: int) -> torch.Tensor:
+    """``[pages, page_size, *rest]``: each request's ``[n, *rest]`` tokens from its first
+    page on (as :func:`pack_pages` numbers them); unused slots of last pages are zero."""
+    rest = tokens[0].shape[1:]
+    counts = [max(1, math.ceil(t.shape[0] / page_size)) for t in tokens]
+    out = tokens[0].new_zeros((sum(counts) * page_size, *rest))
+    start = 0
+    for t, c in zip(tokens, counts):
+        out[start:start + t.shape[0]] = t
+        start += c * page_size
+    return out.reshape(sum(counts), page_size, *rest)

@@ -1,0 +1,56 @@
+"""The layout helpers of the built-in engine's probes: pages, masks, column notes."""
+
+from __future__ import annotations
+
+import torch
+
+from enginetap.engines.hf.probes.common import (
+    column_ranges,
+    end_aligned,
+    fill_pages,
+    pack_pages,
+    visible_columns,
+)
+
+
+def test_packed_pages_give_back_each_requests_tokens_in_order():
+    gen = torch.Generator().manual_seed(0)
+    lengths, page_size = [1, 16, 17, 40], 16
+    tokens = [torch.randn(n, 2, 4, generator=gen) for n in lengths]
+    pages = pack_pages(lengths, page_size)
+    cache = fill_pages(tokens, page_size)
+    assert pages.indptr.tolist() == [0, 1, 2, 4, 7]
+    assert pages.last_page_len.tolist() == [1, 16, 1, 8]
+    assert cache.shape == (7, page_size, 2, 4)
+    for b, expected in enumerate(tokens):
+        ids = pages.indices[pages.indptr[b]:pages.indptr[b + 1]].long()
+        got = cache[ids].reshape(-1, 2, 4)[:lengths[b]]
+        assert torch.equal(got, expected)
+
+
+def test_left_padded_prefix_and_suffix_columns_are_end_aligned():
+    # Row layout of the engine: pad | 3 reused | pad | 2 new tokens; causal by column.
+    live = torch.tensor([False, True, True, True, False, True, True])
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    mask = (causal & live).reshape(1, 1, 7, 7)
+    seen = visible_columns(mask, False, 0, 7, 7)
+    columns, ok = end_aligned(seen, [5, 6])
+    assert ok and columns == [1, 2, 3, 5, 6]
+    assert column_ranges(columns) == "1-3,5-6"
+
+
+def test_a_sliding_window_mask_is_not_end_aligned():
+    # Query 6 cannot see column 1 any more: no prefix of the live keys describes it.
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    window = causal & ~torch.ones(7, 7, dtype=torch.bool).tril(-5)
+    _, ok = end_aligned(visible_columns(window.reshape(1, 1, 7, 7), False, 0, 7, 7), [5, 6])
+    assert not ok
+
+
+def test_additive_float_masks_and_no_mask_read_as_visibility():
+    additive = torch.zeros(1, 1, 2, 3)
+    additive[0, 0, 0, 2] = torch.finfo(torch.float32).min
+    assert visible_columns(additive, False, 0, 2, 3).tolist() == [[True, True, False],
+                                                                   [True, True, True]]
+    assert visible_columns(None, True, 0, 2, 2).tolist() == [[True, False], [True, True]]
+    assert visible_columns(None, False, 0, 1, 3).all()
