@@ -15,7 +15,7 @@ EXPECTED = {
     "llama": {"rmsnorm_h128_bfloat16_round_twice", "fused_add_rmsnorm_h128_bfloat16_round_twice",
               "gqa_ragged_prefill_causal_h4_kv2_d32_bfloat16",
               "gqa_paged_decode_h4_kv2_d32_ps16_bfloat16"},
-    "qwen3_next": {"gqa_ragged_prefill_causal_h4_kv2_d64_bfloat16",
+    "qwen3_next": {"rmsnorm_offset_h128_bfloat16", "gqa_ragged_prefill_causal_h4_kv2_d64_bfloat16",
                    "gdn_prefill_qk2_v4_d64_bfloat16", "gdn_decode_qk2_v4_d64_bfloat16",
                    "moe_topk_softmax_e8_topk2_norm1_bfloat16",
                    "moe_experts_swiglu_e8_h128_i64_topk2"},

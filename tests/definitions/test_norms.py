@@ -164,3 +164,22 @@ def test_once_is_vllm_c_kernels_in_every_cpu_build(build: str, tmp_path: Path) -
     rule = get_template("fused_add_rmsnorm").rule("output")
     bound = rule.atol + rule.rtol * output.double().abs()
     assert bool(((engine["output"].double() - output.double()).abs() <= bound).all())
+
+
+def test_rmsnorm_offset_matches_transformers_qwen3_next_norm_bit_for_bit():
+    """The offset family's reference is the Qwen3-Next norm's own arithmetic."""
+    import torch
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    from enginetap.definitions import compile_reference, get_template
+
+    definition = get_template("rmsnorm_offset").instantiate(hidden_size=64)
+    run = compile_reference(definition.reference, definition.name)
+    gen = torch.Generator().manual_seed(0)
+    norm = Qwen3NextRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.2 * torch.randn(64, generator=gen))
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(7, 64, generator=gen) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(run(x, norm.weight, 1e-6), norm(x))

@@ -66,5 +66,7 @@ def test_catalog_instances_carry_template_and_constants() -> None:
         assert instance.template is get_template(instance.template.family)
         assert instance.template.instantiate(**instance.values) == instance.definition
         assert set(instance.template.const_axes) <= set(instance.values)
-    norm = next(i for i in instances if i.template.family == "rmsnorm")
+    # Qwen3-Next's norms scale by 1 + w: the offset family, not rmsnorm
+    assert not any(i.template.family == "rmsnorm" for i in instances)
+    norm = next(i for i in instances if i.template.family == "rmsnorm_offset")
     assert norm.values == {"hidden_size": 128, "dtype": "bfloat16"}

@@ -97,10 +97,17 @@ def definitions_for_config(config: Mapping[str, Any], *, engine: Engine = "vllm"
                                                         page_size=page_size)]
 
 
+_OFFSET_NORMS = {"qwen3_next"}
+"""Model types whose RMSNorms scale by 1 + weight (Gemma-style)."""
+
+
 def _wanted(cfg: _Config, engine: Engine, page_size: int) -> list[tuple[str, dict[str, Any]]]:
     dtype = _dtype(cfg)
-    wanted = [("rmsnorm", {"hidden_size": cfg.get("hidden_size")})]
-    wanted += [("fused_add_rmsnorm", wanted[0][1])]
+    hidden = {"hidden_size": cfg.get("hidden_size")}
+    if cfg.model_type in _OFFSET_NORMS or cfg.model_type.startswith("gemma"):
+        wanted = [("rmsnorm_offset", hidden)]  # scale by 1 + w (no fused family of it)
+    else:
+        wanted = [("rmsnorm", hidden), ("fused_add_rmsnorm", hidden)]
     wanted += _attention(cfg, page_size)
     wanted += _linear_attention(cfg)
     # Families whose activation dtype is a parameter take the model's own.

@@ -11,7 +11,7 @@ from enginetap.definitions.dsa import INDEXER_TOPK, SPARSE_MLA
 from enginetap.definitions.gdn import GDN_DECODE, GDN_PREFILL
 from enginetap.definitions.mla import MLA_PAGED_DECODE
 from enginetap.definitions.moe import EXPERTS_SWIGLU, TOPK_GROUPED_SIGMOID, TOPK_SOFTMAX
-from enginetap.definitions.norms import FUSED_ADD_RMSNORM, RMSNORM
+from enginetap.definitions.norms import FUSED_ADD_RMSNORM, RMSNORM, RMSNORM_OFFSET
 from enginetap.definitions.router_v4 import TOPK_SQRTSOFTPLUS, TOPK_SQRTSOFTPLUS_HASH
 from enginetap.definitions.seeded_mla import MLA_DECODE_FP8_FP4_SINK, SPARSE_MLA_PREFILL_SINK
 from enginetap.definitions.seeded_moe import MOE_GROUPED_GEMM_FP8_FP4
@@ -36,6 +36,7 @@ meaning ``2 ** (b - 127)``."""
 
 FAMILIES: tuple[Template, ...] = (
     RMSNORM,
+    RMSNORM_OFFSET,
     FUSED_ADD_RMSNORM,
     GQA_RAGGED_PREFILL,
     GQA_PAGED_DECODE,

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from enginetap.dataset.schema import Definition
 
-__all__ = ["FUSED_ADD_RMSNORM", "RMSNORM"]
+__all__ = ["FUSED_ADD_RMSNORM", "RMSNORM", "RMSNORM_OFFSET"]
 
 _EPS = 1e-6
 _ROUNDING = ("twice", "once")
@@ -126,6 +126,32 @@ RMSNORM = Template(
     params={"dtype": "bfloat16", "rounding": "twice"},
     choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("transformers", "vllm"),
+    example={"hidden_size": 128},
+    example_axes={"batch_size": 5},
+    workload_axes=_axes,
+)
+
+RMSNORM_OFFSET = Template(
+    family="rmsnorm_offset",
+    op_type="rmsnorm",
+    name="rmsnorm_offset_h{hidden_size}_{dtype}",
+    description=(
+        "Gemma-style RMSNorm, scaling by (1 + weight): output = round(x * rsqrt(mean(x^2) + "
+        "eps) * (1 + weight)), everything in float32 and one rounding to dtype at the end; "
+        "weight is the stored parameter (zero-initialised), 1 + weight is formed in float32. "
+        "transformers: Qwen3NextRMSNorm.forward(x) (and GemmaRMSNorm) with self.weight, "
+        "self.eps. Engines agree within a relative 3 * 2^-7 (the rmsnorm family's spread)."),
+    axes=_AXES,
+    inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
+            "weight": Tensor(("hidden_size",), "{dtype}", "the stored weight w; scale 1 + w"),
+            "eps": Tensor(None, "float32", "variance epsilon")},
+    outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}")},
+    reference="rmsnorm_offset.py",
+    generate=_generate_rmsnorm,
+    compare={"output": _SPREAD},
+    params={"dtype": "bfloat16"},
+    choices={"dtype": _DTYPES},
+    engines=("transformers",),
     example={"hidden_size": 128},
     example_axes={"batch_size": 5},
     workload_axes=_axes,

@@ -23,11 +23,11 @@ def _define_rmsnorm(call: ProbeCall) -> Definition | None:
     weight = getattr(call.instance, "weight", None)
     if dtype is None or weight is None or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         return None
-    # Llama-style norms round the normalised row, then the product (``twice``); Qwen3-Next
-    # multiplies in float32 and rounds once.
-    rounding = "once" if _norm_is_offset(call.instance) else "twice"
+    if _norm_is_offset(call.instance):  # scale by 1 + w in float32, one rounding
+        return instantiate("rmsnorm_offset", hidden_size=int(weight.shape[0]), dtype=dtype)
+    # Llama-style norms round the normalised row, then the product with the weight
     return instantiate("rmsnorm", hidden_size=int(weight.shape[0]), dtype=dtype,
-                       rounding=rounding)
+                       rounding="twice")
 
 
 def _adapt_rmsnorm(call: ProbeCall) -> Extracted:
@@ -40,10 +40,6 @@ def _adapt_rmsnorm(call: ProbeCall) -> Extracted:
     notes = [PAD_NOTE]
     if x.shape[-2] != call.step.padded_tokens and x.dim() > 3:
         notes.append(f"per-head norm: {x.shape[-2]} heads per token flattened into rows")
-    if _norm_is_offset(module):
-        weight = (1.0 + weight.float()).to(weight.dtype)
-        notes.append("engine scales by (1 + weight) in float32: stored weight = 1 + weight, "
-                     f"rounded to {weight.dtype} (within the definition's stated spread)")
     eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
     return Extracted({"hidden_states": rows, "weight": weight, "eps": eps},
                      {"output": output}, notes)
