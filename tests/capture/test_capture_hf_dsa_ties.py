@@ -38,7 +38,7 @@ def _mismatches(dataset: Dataset, name: str) -> list[tuple[float, float]]:
     for line in dataset.workloads(name):
         inputs = dataset.load_inputs(line)
         engine = dataset.load_outputs(line)["topk_indices"]
-        reference = run(**inputs)
+        reference, _ = run(**inputs)
         q, k, w = (inputs[n].double() for n in ("q_index", "k_index", "weights"))
         scores = torch.einsum("th,thk->tk", w, torch.einsum("thd,kd->thk", q, k).relu())
         for t in range(engine.shape[0]):
@@ -62,11 +62,12 @@ def test_indexer_mismatches_on_a_long_prompt_are_exact_ties(hf_capture_root):
     assert any("exactly equal scores at the top-k boundary" in n for n in notes)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "definitions bug (dsa_indexer_topk): its compare rule forgives no ties, but exact ties "
-    "at the top-k boundary (zero scores after the relu) are real and transformers' "
-    "torch.topk breaks them in no defined order; needs tie forgiveness (e.g. scores from "
-    "the reference) in the definition's compare rule"))
 def test_indexer_workloads_on_a_long_prompt_replay(hf_capture_root):
+    """Exact ties at the top-k boundary (zero scores after the relu) are forgiven through
+    the reference's scores: the engine's torch.topk breaks them in no defined order."""
     report = replay_dataset(_run(hf_capture_root).dataset, warmup=0, repeats=0)
-    assert report.ok
+    indexer = [d for d in report.definitions if d.name.startswith("dsa_indexer_topk")]
+    assert indexer and all(d.status == "PASS" for d in indexer)
+    forgiven = [c for d in indexer for w in d.workloads for c in w.checks
+                if c.comparison is not None and c.comparison.ties]
+    assert forgiven  # the long prompt does hit ties, and they are accepted as ties

@@ -38,7 +38,7 @@ def test_indexer_matches_per_key_loop_on_generated_batches():
     template = get_template("dsa_indexer_topk")
     defn, run = reference("dsa_indexer_topk", **INDEXER)
     inputs = template.synthetic_inputs(defn, {"num_tokens": 30, "num_keys": 90}, seed=2)
-    got = run(**inputs)
+    got, scores = run(**inputs)
     want = indexer_loop(inputs["q_index"], inputs["k_index"], inputs["weights"],
                         inputs["key_start"], inputs["key_end"], INDEXER["index_topk"])
     assert torch.equal(got, want)
@@ -59,7 +59,7 @@ def test_indexer_ties_go_to_the_lower_key_row():
     w = torch.tensor([[0.5, 2.0]])
     # Rows 0, 2, 3 tie at 0.5 and row 1 scores 0; only rows 1..4 are visible, so row 1
     # (score 0) comes third after the tied rows 2 and 3.
-    got = run(q, k, w, torch.tensor([1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
+    got, _ = run(q, k, w, torch.tensor([1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
     assert got.tolist() == [[2, 3, 1]]
 
 
@@ -87,7 +87,7 @@ def test_indexer_matches_transformers_deepseek_v32():
     start = (rows // seq * seq).to(torch.int32)
     end = (rows + 1).to(torch.int32)
     _, run = reference("dsa_indexer_topk", index_n_heads=16, index_head_dim=32, index_topk=12)
-    ours = run(q.flatten(0, 1), k.flatten(0, 1), weights.flatten(0, 1), start, end)
+    ours, _ = run(q.flatten(0, 1), k.flatten(0, 1), weights.flatten(0, 1), start, end)
     for t in range(batch * seq):
         visible = min(12, int(end[t] - start[t]))
         # transformers also returns masked keys (score -inf) when fewer are visible.

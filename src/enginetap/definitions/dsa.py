@@ -143,8 +143,11 @@ INDEXER_TOPK = Template(
         "belong in `weights` here. Its rows of the batch's key cache flatten to k_index "
         "(row b*T + i), its causal mask gives key_start/key_end, and the indices it returns "
         "for masked keys (score -inf, when fewer than index_topk are visible) are -1 here. "
-        "Keys are not paged: gather paged engine caches into rows first. Replay compares "
-        "the index sets exactly: the scores are not an input, so ties are not forgiven."),
+        "Keys are not paged: gather paged engine caches into rows first. `scores` is every "
+        "key's score (-inf where not visible); engines need not expose it. Replay compares "
+        "the index sets, forgiving a differing index only when its score ties (within "
+        "atol) with the one it replaced: equal scores at the top-k boundary (common after "
+        "the relu: several keys score exactly 0) have no defined order in engines' top-k."),
     axes={"num_tokens": var("Query tokens in this call (all sequences)."),
           "num_keys": var("Rows of the flat indexer key buffer."),
           "index_n_heads": const("Indexer heads."),
@@ -161,10 +164,12 @@ INDEXER_TOPK = Template(
         "key_end": Tensor(("num_tokens",), "int32", "One past the last visible key row."),
     },
     outputs={"topk_indices": Tensor(("num_tokens", "index_topk"), "int32",
-                                    "Chosen k_index rows, -1 = padding.")},
+                                    "Chosen k_index rows, -1 = padding."),
+             "scores": Tensor(("num_tokens", "num_keys"), "float32",
+                              "Every key's score, -inf where not visible.")},
     reference="dsa_indexer_topk.py",
     generate=_indexer_inputs,
-    compare={"topk_indices": CompareRule(kind="selection")},
+    compare={"topk_indices": CompareRule(kind="selection", scores="scores")},
     tags=("stage:dsa_indexer",),
     engines=("transformers",),
     example={"index_n_heads": 8, "index_head_dim": 64, "index_topk": 16},
