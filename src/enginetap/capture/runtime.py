@@ -68,6 +68,9 @@ class CaptureRuntime:
                                  when_full=options.when_full, batch=options.batch)
         self.patches = PatchSet("capture")
         self.installed_targets: set[str] = set()
+        self._installed: set[tuple[str, str]] = set()
+        """(probe, target) pairs: several probes may wrap one target (a norm with and
+        without residual feeds two families)."""
         self.failures: Counter = Counter()
         self.disabled: dict[str, str] = {}
         self.skipped: Counter = Counter()
@@ -99,7 +102,8 @@ class CaptureRuntime:
         fresh = PatchSet("capture")
         for probe in self.probes:
             for target in self._targets(probe, model):
-                if target not in self.installed_targets:
+                if (probe.name, target) not in self._installed:
+                    self._installed.add((probe.name, target))
                     self.installed_targets.add(target)
                     fresh.add(target, self._wrapper(probe))
         fresh.install()

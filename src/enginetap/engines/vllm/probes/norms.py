@@ -1,0 +1,102 @@
+"""RMSNorm and fused add+RMSNorm: ``RMSNorm.forward(x, residual=None)`` (and Gemma's).
+
+vLLM's norms are CustomOps that pick their implementation when built, so the probe wraps
+the class's ``forward``. With a residual the fused kernel may update ``x`` and
+``residual`` in place: both are snapshotted before the call. Norm weights are replicated
+under TP, so rank 0's call is the logical one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from enginetap.capture.probe import Extracted, Probe, ProbeCall
+from enginetap.dataset.schema import Definition
+from enginetap.engines.vllm.probes.common import DTYPES, instantiate, is_writer, other_rank
+
+__all__ = ["NORM_PROBES", "NORM_TARGETS"]
+
+_LAYERNORM = "vllm.model_executor.layers.layernorm"
+NORM_TARGETS = (f"{_LAYERNORM}:RMSNorm.forward", f"{_LAYERNORM}:GemmaRMSNorm.forward")
+
+
+def _is_gemma(module: Any) -> bool:
+    return type(module).__name__ == "GemmaRMSNorm"
+
+
+def _plain(module: Any) -> bool:
+    """A norm the rmsnorm families describe: full-width variance, a real weight."""
+    if _is_gemma(module):
+        return True
+    return (getattr(module, "variance_size_override", None) is None
+            and getattr(module, "has_weight", True))
+
+
+def _define(call: ProbeCall, fused: bool) -> Definition | None:
+    x, residual = call.args.get("x"), call.args.get("residual")
+    weight = getattr(call.instance, "weight", None)
+    if (residual is not None) != fused or x is None or weight is None or weight.dim() != 1:
+        return None
+    dtype = DTYPES.get(x.dtype)
+    if dtype is None or x.shape[-1] != weight.shape[0] or not _plain(call.instance):
+        return None
+    family = "fused_add_rmsnorm" if fused else "rmsnorm"
+    return instantiate(family, hidden_size=int(weight.shape[0]), dtype=dtype)
+
+
+def _before(call: ProbeCall) -> dict[str, Any]:
+    saved = {"x": call.args["x"].detach().clone()}
+    if call.args.get("residual") is not None:
+        saved["residual"] = call.args["residual"].detach().clone()
+    return saved
+
+
+def _weight(call: ProbeCall, dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
+    module = call.instance
+    weight = module.weight.detach()
+    if _is_gemma(module):
+        weight = (weight.float() + 1.0).to(dtype)
+        return weight, ["GemmaRMSNorm scales by (1 + weight) in float32: stored weight = "
+                        f"1 + weight rounded to {dtype} (the definition's weight dtype)"]
+    return weight.to(dtype), []
+
+
+def _adapt(call: ProbeCall) -> Extracted:
+    if not is_writer(call):
+        return other_rank()
+    x = call.before["x"]
+    width = x.shape[-1]
+    weight, notes = _weight(call, x.dtype)
+    eps = float(call.instance.variance_epsilon)
+    inputs: dict[str, Any] = {"hidden_states": x.reshape(-1, width), "weight": weight,
+                              "eps": eps}
+    if x.dim() > 2:
+        notes.append(f"per-head norm: {x.shape[-2]} heads per token flattened into rows")
+    if "residual" in call.before:
+        output, residual_out = call.result
+        inputs["residual"] = call.before["residual"].reshape(-1, width)
+        outputs = {"output": output.reshape(-1, width),
+                   "residual_out": residual_out.reshape(-1, width)}
+        notes.append("x and residual snapshotted before the call (the fused kernel may "
+                     "update them in place)")
+    else:
+        outputs = {"output": call.result.reshape(-1, width)}
+    return Extracted(inputs, outputs, notes)
+
+
+def _probes() -> list[Probe]:
+    out = []
+    for target in NORM_TARGETS:
+        kind = target.rsplit(":", 1)[1].split(".")[0]
+        out.append(Probe(f"vllm.{kind.lower()}", "rmsnorm", lambda c: _define(c, False),
+                         _adapt, target=target, before=_before,
+                         description=f"{kind}.forward(x) without residual"))
+        out.append(Probe(f"vllm.{kind.lower()}.fused_add", "fused_add_rmsnorm",
+                         lambda c: _define(c, True), _adapt, target=target, before=_before,
+                         description=f"{kind}.forward(x, residual)"))
+    return out
+
+
+NORM_PROBES = _probes()
