@@ -84,6 +84,9 @@ class Probe:
     """Fire only while the running sublayer's class name ends with this ("" = anywhere):
     a kernel-level target (``scaled_dot_product_attention``) is called from many places."""
     description: str = ""
+    signature: Callable[..., Any] | None = None
+    """A Python function whose parameters describe the target's, for targets without an
+    introspectable signature (C builtins such as ``scaled_dot_product_attention``)."""
 
     def fires_in(self, step: Step) -> bool:
         return self.when == "both" or step.mode == self.when or step.mode == "mixed"

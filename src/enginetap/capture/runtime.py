@@ -69,8 +69,6 @@ class CaptureRuntime:
         self.patches = PatchSet("capture")
         self.installed_targets: set[str] = set()
         self._installed: set[tuple[str, str]] = set()
-        """(probe, target) pairs: several probes may wrap one target (a norm with and
-        without residual feeds two families)."""
         self.failures: Counter = Counter()
         self.disabled: dict[str, str] = {}
         self.skipped: Counter = Counter()
@@ -102,6 +100,8 @@ class CaptureRuntime:
         fresh = PatchSet("capture")
         for probe in self.probes:
             for target in self._targets(probe, model):
+                # Keyed by probe too: two probes may share a target (one kernel, prefill
+                # and decode families); each gets its own wrapper.
                 if (probe.name, target) not in self._installed:
                     self._installed.add((probe.name, target))
                     self.installed_targets.add(target)
@@ -160,7 +160,11 @@ class CaptureRuntime:
 
     def _capture(self, probe: Probe, wrapped: Any, instance: Any, args: tuple, kwargs: dict,
                  step: Any) -> Any:
-        bound = call_signature(wrapped).bind(*args, **kwargs)
+        try:
+            bound = call_signature(probe.signature or wrapped).bind(*args, **kwargs)
+        except (TypeError, ValueError) as exc:  # ours to handle: the engine's call runs on
+            self._fail(probe, "binding the call's arguments", exc)
+            return wrapped(*args, **kwargs)
         bound.apply_defaults()
         call = ProbeCall(probe, instance, dict(bound.arguments), step, current_names())
         claim = self._prepare(call)

@@ -34,8 +34,20 @@ def _plain(module: Any) -> bool:
             and getattr(module, "has_weight", True))
 
 
+def _bind(call: ProbeCall) -> tuple[Any, Any]:
+    """``(x, residual)``: CustomOp.forward takes ``*args, **kwargs``, so they are named
+    here as ``forward_native(x, residual=None)`` names them."""
+    args = call.args
+    if "args" in args or "kwargs" in args:
+        positional, named = list(args.get("args", ())), dict(args.get("kwargs", {}))
+        x = positional[0] if positional else named.get("x")
+        residual = positional[1] if len(positional) > 1 else named.get("residual")
+        return x, residual
+    return args.get("x"), args.get("residual")
+
+
 def _define(call: ProbeCall, fused: bool) -> Definition | None:
-    x, residual = call.args.get("x"), call.args.get("residual")
+    x, residual = _bind(call)
     weight = getattr(call.instance, "weight", None)
     if (residual is not None) != fused or x is None or weight is None or weight.dim() != 1:
         return None
@@ -47,9 +59,10 @@ def _define(call: ProbeCall, fused: bool) -> Definition | None:
 
 
 def _before(call: ProbeCall) -> dict[str, Any]:
-    saved = {"x": call.args["x"].detach().clone()}
-    if call.args.get("residual") is not None:
-        saved["residual"] = call.args["residual"].detach().clone()
+    x, residual = _bind(call)
+    saved = {"x": x.detach().clone()}
+    if residual is not None:
+        saved["residual"] = residual.detach().clone()
     return saved
 
 
