@@ -67,7 +67,14 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--hide-amx", action="store_true",
+                        help="make vLLM believe the CPU lacks AMX (TP=1, in-process only): "
+                             "it then takes the kernels an AMD AVX-512 machine runs")
     args = parser.parse_args()
+    if args.hide_amx:
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: False
     requests = run(args.model, args.tp)
     with open(args.out, "w") as f:
         json.dump({"requests": requests}, f)
