@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+from pathlib import Path
 
 LENGTHS = {"a": 70, "b": 23, "c": 9}
 MAX_TOKENS = {"a": 6, "b": 5, "c": 4, "a2": 4}
@@ -29,8 +30,10 @@ def run(model: str, tp: int) -> dict[str, dict]:
     import torch
     from vllm import LLM, SamplingParams
 
-    # AMX kernels need pages of a multiple of 32 tokens, CPU MLA without AMX pages of 16.
-    block_size = 32 if torch.cpu._is_amx_tile_supported() else 16
+    # CPU attention (and AMX MLA) page in multiples of 32 tokens; CPU MLA, which runs
+    # where the CPU lacks AMX, only in pages of 16.
+    mla = "kv_lora_rank" in json.loads((Path(model) / "config.json").read_text())
+    block_size = 16 if mla and not torch.cpu._is_amx_tile_supported() else 32
     llm = LLM(block_size=block_size, model=model, tensor_parallel_size=tp, gpu_memory_utilization=0.25,
               enforce_eager=True, max_model_len=256, max_num_batched_tokens=64,
               max_num_seqs=8, enable_prefix_caching=True, enable_chunked_prefill=True,
