@@ -85,8 +85,27 @@ def families(dataset: Path) -> set[str]:
             if store.workloads(name)}
 
 
-def receipts(dataset: Path, name: str) -> list[dict]:
-    """The provenance receipts of definition ``name``'s workloads, as dicts."""
+def definition_of(dataset: Path, family: str) -> str:
+    """The name of the (one) definition of ``family`` the dataset holds."""
+    from enginetap.dataset import Dataset
+    from enginetap.definitions.base import family_of
+
+    names = [n for n, d in Dataset(dataset).definitions().items() if family_of(d) == family]
+    assert len(names) == 1, f"{family}: {names}"
+    return names[0]
+
+
+def const_axes(dataset: Path, family: str) -> dict[str, int]:
+    """The const axes of the dataset's definition of ``family``."""
     from enginetap.dataset import Dataset
 
-    return [line.enginetap.receipt.model_dump() for line in Dataset(dataset).workloads(name)]
+    definition = Dataset(dataset).definition(definition_of(dataset, family))
+    return {k: a.value for k, a in definition.axes.items() if hasattr(a, "value")}
+
+
+def receipts(dataset: Path, family: str) -> list[dict]:
+    """The provenance receipts of the workloads of ``family``'s definition, as dicts."""
+    from enginetap.dataset import Dataset
+
+    lines = Dataset(dataset).workloads(definition_of(dataset, family))
+    return [line.enginetap.receipt.model_dump() for line in lines]

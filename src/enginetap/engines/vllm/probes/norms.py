@@ -1,7 +1,8 @@
-"""RMSNorm and fused add+RMSNorm: ``RMSNorm.forward(x, residual=None)`` (and Gemma's).
+"""RMSNorm and fused add+RMSNorm: ``RMSNorm.forward(x, residual=None)``.
 
 vLLM's norms are CustomOps that pick their implementation when built, so the probe wraps
-the class's ``forward``. With a residual the fused kernel may update ``x`` and
+the class's ``forward``. Gemma-style norms (``GemmaRMSNorm``: Qwen3-Next) are not probed:
+they scale by a float32 ``1 + w`` that no bfloat16 weight of the rmsnorm families holds. With a residual the fused kernel may update ``x`` and
 ``residual`` in place: both are snapshotted before the call. Norm weights are replicated
 under TP, so rank 0's call is the logical one.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.dataset.schema import Definition
@@ -19,17 +19,11 @@ from enginetap.engines.vllm.probes.common import DTYPES, instantiate, is_writer,
 __all__ = ["NORM_PROBES", "NORM_TARGETS"]
 
 _LAYERNORM = "vllm.model_executor.layers.layernorm"
-NORM_TARGETS = (f"{_LAYERNORM}:RMSNorm.forward", f"{_LAYERNORM}:GemmaRMSNorm.forward")
-
-
-def _is_gemma(module: Any) -> bool:
-    return type(module).__name__ == "GemmaRMSNorm"
+NORM_TARGETS = (f"{_LAYERNORM}:RMSNorm.forward", f"{_LAYERNORM}:RMSNorm.forward_native")
 
 
 def _plain(module: Any) -> bool:
     """A norm the rmsnorm families describe: full-width variance, a real weight."""
-    if _is_gemma(module):
-        return True
     return (getattr(module, "variance_size_override", None) is None
             and getattr(module, "has_weight", True))
 
@@ -66,22 +60,12 @@ def _before(call: ProbeCall) -> dict[str, Any]:
     return saved
 
 
-def _weight(call: ProbeCall, dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
-    module = call.instance
-    weight = module.weight.detach()
-    if _is_gemma(module):
-        weight = (weight.float() + 1.0).to(dtype)
-        return weight, ["GemmaRMSNorm scales by (1 + weight) in float32: stored weight = "
-                        f"1 + weight rounded to {dtype} (the definition's weight dtype)"]
-    return weight.to(dtype), []
-
-
 def _adapt(call: ProbeCall) -> Extracted:
     if not is_writer(call):
         return other_rank()
     x = call.before["x"]
     width = x.shape[-1]
-    weight, notes = _weight(call, x.dtype)
+    weight, notes = call.instance.weight.detach().to(x.dtype), []
     eps = float(call.instance.variance_epsilon)
     inputs: dict[str, Any] = {"hidden_states": x.reshape(-1, width), "weight": weight,
                               "eps": eps}
@@ -99,17 +83,9 @@ def _adapt(call: ProbeCall) -> Extracted:
     return Extracted(inputs, outputs, notes)
 
 
-def _probes() -> list[Probe]:
-    out = []
-    for target in NORM_TARGETS:
-        kind = target.rsplit(":", 1)[1].split(".")[0]
-        out.append(Probe(f"vllm.{kind.lower()}", "rmsnorm", lambda c: _define(c, False),
-                         _adapt, target=target, before=_before,
-                         description=f"{kind}.forward(x) without residual"))
-        out.append(Probe(f"vllm.{kind.lower()}.fused_add", "fused_add_rmsnorm",
-                         lambda c: _define(c, True), _adapt, target=target, before=_before,
-                         description=f"{kind}.forward(x, residual)"))
-    return out
-
-
-NORM_PROBES = _probes()
+NORM_PROBES = [
+    Probe("vllm.rmsnorm", "rmsnorm", lambda c: _define(c, False), _adapt,
+          target=NORM_TARGETS[0], before=_before, description="RMSNorm.forward(x)"),
+    Probe("vllm.rmsnorm.fused_add", "fused_add_rmsnorm", lambda c: _define(c, True), _adapt,
+          target=NORM_TARGETS[0], before=_before, description="RMSNorm.forward(x, residual)"),
+]
