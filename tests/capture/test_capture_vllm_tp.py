@@ -3,7 +3,8 @@ on rank 0 from every rank's shards (attention heads, MoE intermediate shards and
 outputs, gated-delta-rule heads) and replay against the references like TP=1 captures.
 
 qwen3_next covers attention, MoE router and experts and the gated delta rule in one model
-(its norms are Gemma-style, which no rmsnorm family describes). ``VLLM_CPU_OMP_THREADS_BIND=nobind``: two CPU workers on one NUMA node.
+(its norms are Gemma-style, which no rmsnorm family describes).
+``VLLM_CPU_OMP_THREADS_BIND=nobind``: two CPU workers on one NUMA node.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 vLLM's norms are CustomOps that pick their implementation when built, so the probe wraps
 the class's ``forward``. Gemma-style norms (``GemmaRMSNorm``: Qwen3-Next) are not probed:
-they scale by a float32 ``1 + w`` that no bfloat16 weight of the rmsnorm families holds. With a residual the fused kernel may update ``x`` and
-``residual`` in place: both are snapshotted before the call. Norm weights are replicated
+they scale by a float32 ``1 + w`` that no bfloat16 weight of the rmsnorm families holds.
+With a residual the fused kernel may update ``x`` and ``residual`` in place: both are
+snapshotted before the call. Norm weights are replicated
 under TP, so rank 0's call is the logical one.
 """
 
