@@ -26,19 +26,24 @@ def prompts(vocab: int = 512, seed: int = 1) -> dict[str, list[int]]:
     return out
 
 
-def run(model: str, tp: int) -> dict[str, dict]:
+def make_llm(model: str, tp: int):
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     # CPU attention (and AMX MLA) page in multiples of 32 tokens; CPU MLA, which runs
     # where the CPU lacks AMX, only in pages of 16.
     mla = "kv_lora_rank" in json.loads((Path(model) / "config.json").read_text())
     block_size = 16 if mla and not torch.cpu._is_amx_tile_supported() else 32
-    llm = LLM(model=model, tensor_parallel_size=tp, block_size=block_size,
+    return LLM(model=model, tensor_parallel_size=tp, block_size=block_size,
               gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256,
               max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
               enable_chunked_prefill=True, seed=0)
-    engine = llm.llm_engine
+
+
+def run(model: str, tp: int) -> dict[str, dict]:
+    from vllm import SamplingParams
+
+    engine = make_llm(model, tp).llm_engine
     texts = prompts()
     done: dict[str, dict] = {}
 
