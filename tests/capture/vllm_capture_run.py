@@ -35,9 +35,9 @@ def make_llm(model: str, tp: int):
     mla = "kv_lora_rank" in json.loads((Path(model) / "config.json").read_text())
     block_size = 16 if mla and not torch.cpu._is_amx_tile_supported() else 32
     return LLM(model=model, tensor_parallel_size=tp, block_size=block_size,
-              gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256,
-              max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
-              enable_chunked_prefill=True, seed=0)
+               gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256,
+               max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
+               enable_chunked_prefill=True, seed=0)
 
 
 def run(model: str, tp: int) -> dict[str, dict]:
