@@ -32,6 +32,7 @@ def _plain_causal(call: ProbeCall) -> bool:
     return (meta is not None and bool(meta.causal) and meta.dynamic_causal is None
             and getattr(meta, "encoder_cache", None) is None
             and impl.alibi_slopes is None and impl.sinks is None
+            and getattr(impl, "sliding_window", -1) in (None, -1)
             and not impl.logits_soft_cap and cache.dtype == call.args["query"].dtype
             and call.args.get("output_scale") is None)
 
