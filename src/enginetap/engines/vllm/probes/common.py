@@ -19,7 +19,7 @@ from enginetap.dataset.schema import Definition
 from enginetap.definitions import get_template
 
 __all__ = ["DTYPES", "Pages", "compact_pages", "gather", "instantiate", "is_writer",
-           "other_rank", "tp_world"]
+           "other_rank", "summed", "tp_world"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
