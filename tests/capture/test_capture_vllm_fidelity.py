@@ -1,0 +1,116 @@
+"""Capture from vLLM CPU (TP=1) for llama, qwen3_next and deepseek_v3, then replay every
+captured workload against its definition's reference: each must PASS within the
+definition's tolerance (exact for expert ids). Armed and disarmed runs sample the same
+greedy tokens. One armed and one disarmed vLLM run per model, shared by the tests.
+
+The CPU decides vLLM's kernels (AMX on Intel, AVX-512/AVX2 elsewhere): the AMX-less path is
+also run for deepseek_v3 (it switches MLA to ``CPUMLAImpl``, MoE to the ``vec`` packing), by
+hiding AMX from vLLM on a machine that has it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_capture_checks import (  # noqa: E402
+    CaptureRun,
+    const_axes,
+    definition_of,
+    families,
+    receipts,
+    replay_failures,
+    run_capture,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODELS = ("llama", "qwen3_next", "deepseek_v3")
+
+EXPECTED = {
+    "llama": {"rmsnorm", "fused_add_rmsnorm", "gqa_ragged_prefill", "gqa_paged_decode"},
+    # Qwen3-Next's norms are Gemma-style (1 + w): no rmsnorm family describes them.
+    "qwen3_next": {"gqa_ragged_prefill", "gqa_paged_decode", "moe_topk_softmax",
+                   "moe_experts_swiglu", "gdn_prefill", "gdn_decode"},
+    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "moe_topk_grouped_sigmoid",
+                    "moe_experts_swiglu", "mla_paged_decode"},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_lock: None):
+    from enginetap.models import build_model
+
+    return build_model
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory: pytest.TempPathFactory):
+    """``runs(model, armed=True, hide_amx=False)``: one vLLM run per distinct request."""
+    done: dict[tuple, CaptureRun] = {}
+
+    def get(model: str, armed: bool = True, hide_amx: bool = False) -> CaptureRun:
+        key = (model, armed, hide_amx)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"{model}-{'armed' if armed else 'plain'}"
+                                          f"{'-noamx' if hide_amx else ''}")
+            done[key] = run_capture(model_dir(model), out, armed=armed, hide_amx=hide_amx)
+        return done[key]
+
+    return get
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_captured_workload_replays(runs, model):
+    run = runs(model)
+    summary = run.summary()
+    assert summary["probe_failures"] == {} and summary["disabled_probes"] == {}, summary
+    assert EXPECTED[model] <= families(run.dataset), families(run.dataset)
+    statuses, failures = replay_failures(run.dataset)
+    assert statuses and not failures, "\n".join(failures)
+    assert summary["written"] == sum(summary["per_definition"].values()) > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_armed_and_disarmed_sample_the_same_tokens(runs, model):
+    armed, plain = runs(model), runs(model, armed=False)
+    assert armed.tokens == plain.tokens
+    assert not (plain.out / "dataset").exists()
+
+
+def test_prefix_cache_hit_is_captured_with_its_cached_prefix(runs):
+    from enginetap.dataset import Dataset
+
+    run = runs("llama")
+    assert run.cached["a2"] > 0, run.cached
+    store = Dataset(run.dataset)
+    name = definition_of(run.dataset, "gqa_ragged_prefill")
+    axes = [line.workload.axes for line in store.workloads(name)]
+    assert any(a["total_kv"] > a["total_q"] for a in axes), axes
+    notes = [r["notes"] for r in receipts(run.dataset, "gqa_ragged_prefill")]
+    assert all("original physical page ids" in str(n) for n in notes)
+
+
+def test_receipts_name_request_step_layer_and_engine(runs):
+    run = runs("qwen3_next")
+    for receipt in receipts(run.dataset, "gdn_decode"):
+        assert receipt["mode"] in ("decode", "mixed") and receipt["layer"]
+        assert receipt["engine_version"].startswith("vllm")
+        assert set(receipt["request_ids"]) <= set(run.tokens)
+        assert "snapshotted before the call" in str(receipt["notes"])
+
+
+def test_the_path_without_amx_captures_and_replays(runs):
+    run = runs("deepseek_v3", hide_amx=True)
+    assert run.tokens == runs("deepseek_v3").tokens
+    _, failures = replay_failures(run.dataset)
+    assert not failures, "\n".join(failures)
+    # CPU MLA pages by 16: the AMX-less backend ran.
+    assert const_axes(run.dataset, "mla_paged_decode")["page_size"] == 16
+    mla = receipts(run.dataset, "mla_paged_decode")
+    assert mla and all("CPUMLAImpl.forward_mqa ran" in str(r["notes"]) for r in mla)
+    experts = receipts(run.dataset, "moe_experts_swiglu")
+    assert experts and all("vec prepacked" in str(r["notes"]) for r in experts)
