@@ -7,7 +7,7 @@ import sys
 import typer
 from rich.console import Console
 
-from enginetap.cli import dataset, definitions, demo, guard, models, replay, traffic, vllm
+from enginetap.cli import dataset, definitions, demo, guard, models, replay, tap, traffic, vllm
 from enginetap.errors import EnginetapError
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ app.add_typer(replay.app, name="replay")
 app.add_typer(guard.app, name="guard")
 app.add_typer(vllm.app, name="vllm")
 app.add_typer(traffic.app, name="traffic")
+app.add_typer(tap.app, name="tap")
 app.command("demo")(demo.demo)
 
 err = Console(stderr=True)

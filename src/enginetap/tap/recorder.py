@@ -1,0 +1,217 @@
+"""The per-step tap: stages checkpoint rows on device, writes one record per step.
+
+Step begin picks the tapped rows; every checkpoint during the step gathers those rows'
+bytes into the step's staging buffer (:mod:`enginetap.tap.fingerprint`); step end hashes
+them all, brings hashes and sampler values to the host in one transfer and writes one
+JSONL record through the per-rank writer. Outside a step (warm-up, dummy runs) every
+checkpoint is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from typing import Any
+
+import torch
+
+from enginetap.core.capability import ArmContext
+from enginetap.core.context import Step, subscribe, unsubscribe
+from enginetap.core.jsonl import RankJsonl
+from enginetap.core.tensors import capturing
+from enginetap.tap.fingerprint import StepStaging, row_bytes
+from enginetap.tap.options import TapOptions
+from enginetap.tap.rows import PrefixTracker, row_records, select_rows
+
+logger = logging.getLogger("enginetap.tap")
+
+__all__ = ["FORMAT", "TapRecorder"]
+
+FORMAT = "enginetap-tap"
+VERSION = 1
+
+
+def _hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+class TapRecorder:
+    """One per armed process; subscribed to the step context while installed."""
+
+    def __init__(self, context: ArmContext, options: TapOptions) -> None:
+        self.context = context
+        self.options = options
+        self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
+        self.filters = [options.request_filter, context.config.request_filter]
+        self.prefixes = PrefixTracker()
+        self.models: list[dict[str, Any]] = []
+        self.refused: set[str] = set()
+        self._header = False
+        self._staging: dict[torch.device, StepStaging] = {}
+        self._clear()
+
+    def _clear(self) -> None:
+        self.step: Step | None = None
+        self.rows: list[dict[str, Any]] = []
+        self.token_index: list[int] = []
+        self.names: list[tuple[torch.device, str]] = []
+        self.counts: dict[str, int] = {}
+        self.sampler: list[tuple[torch.device, torch.Tensor]] = []
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def install(self) -> TapRecorder:
+        subscribe(on_begin=self.begin, on_end=self.end)
+        return self
+
+    def uninstall(self) -> None:
+        unsubscribe(self.begin)
+        unsubscribe(self.end)
+        self._clear()
+        self.writer.close()
+
+    def model_loaded(self, model: Any) -> None:
+        config = getattr(model, "config", None)
+        dtype = next((str(p.dtype) for p in model.parameters()), None)
+        self.models.append({"class": type(model).__name__, "dtype": dtype,
+                            "model_type": getattr(config, "model_type", None),
+                            "layers": getattr(config, "num_hidden_layers", None)})
+
+    @property
+    def active(self) -> bool:
+        return self.step is not None
+
+    def begin(self, step: Step) -> None:
+        self._clear()
+        prefixes = self.prefixes.update(step)
+        picked = select_rows(step, self.filters, self.options.max_rows)
+        if not self._header:
+            self._write_header(step)
+        if not picked:
+            return
+        self.step = step
+        self.rows = row_records(step, picked, prefixes)
+        self.token_index = [r["token_index"] for r in self.rows]
+        for staging in self._staging.values():
+            staging.reset(len(picked))
+
+    def end(self, step: Step) -> None:
+        if self.step is not step:
+            self._clear()
+            return
+        try:
+            self.writer.write(self._record(step), step=step.step)
+        finally:
+            self._clear()
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The tapped rows' token indices on ``device`` (built once per step)."""
+        found = self._index.get(device)
+        if found is None:
+            found = torch.tensor(self.token_index, dtype=torch.int64).to(device, non_blocking=True)
+            self._index[device] = found
+        return found
+
+    def allowed(self, name: str) -> bool:
+        """False (and noted once) inside compile tracing or graph capture unless forced."""
+        if self.options.force or not capturing():
+            return True
+        if name not in self.refused:
+            self.refused.add(name)
+            logger.warning("tap: %s not recorded under torch.compile / CUDA-graph capture "
+                           "(hooks would be traced into the graph; set options.tap.force)",
+                           name)
+        return False
+
+    def checkpoint(self, name: str, tensor: Any) -> None:
+        """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
+        forward) under ``name``; tensors of another layout are skipped."""
+        if self.step is None or not isinstance(tensor, torch.Tensor):
+            return
+        padded = self.step.padded_tokens or len(self.step.rows)
+        source = row_bytes(tensor.detach(), padded)
+        if source is None or not self.allowed(name):
+            return
+        staging = self._staging_for(source.device)
+        staging.stage(source, self.index(source.device))
+        self.names.append((source.device, self._unique(name)))
+
+    def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
+        if self.step is None or not self.allowed(name):
+            return
+        source = rows.detach().reshape(len(self.rows), -1)
+        source = source.contiguous().view(torch.uint8)
+        staging = self._staging_for(source.device)
+        staging.stage(source, torch.arange(len(self.rows), device=source.device))
+        self.names.append((source.device, self._unique(name)))
+
+    def note_logits(self, logits: torch.Tensor) -> None:
+        """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
+        if self.step is None or not self.options.sampler or not self.allowed("sampler"):
+            return
+        values, ids = torch.topk(logits.detach().float(), 2, dim=-1)
+        packed = torch.cat([ids.to(torch.int64), values.double().view(torch.int64)], dim=1)
+        self.sampler.append((packed.device, packed))
+
+    def _unique(self, name: str) -> str:
+        seen = self.counts.get(name, 0) + 1
+        self.counts[name] = seen
+        return name if seen == 1 else f"{name}#{seen}"
+
+    def _staging_for(self, device: torch.device) -> StepStaging:
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = self._staging[device] = StepStaging(len(self.rows), device)
+        return staging
+
+    # -- records ---------------------------------------------------------------------
+
+    def _record(self, step: Step) -> dict[str, Any]:
+        by_device: dict[torch.device, list[str]] = {}
+        for device, name in self.names:
+            by_device.setdefault(device, []).append(name)
+        order = [name for _, name in self.names]
+        hashes: dict[str, list[str]] = {}
+        sampler: list[list[int]] = []
+        for device, names in by_device.items():
+            flat = self._staging[device].hashes().flatten()
+            extra = [p.flatten() for d, p in self.sampler if d == device]
+            host = torch.cat([flat, *extra]).cpu().tolist()  # the step's one transfer
+            k = len(self.rows)
+            for j, name in enumerate(names):
+                hashes[name] = [_hex(v) for v in host[j * k:(j + 1) * k]]
+            if extra:
+                sampler = [host[len(names) * k + r * 4:len(names) * k + r * 4 + 4]
+                           for r in range(k)]
+        for device, packed in self.sampler:
+            if device not in by_device:
+                sampler = packed.cpu().view(-1, 4).tolist()
+        return {"kind": "step", "mode": step.mode, "engine": step.engine,
+                "rows": self.rows, "checkpoints": order,
+                "hashes": [hashes[n] for n in order],
+                "sampled": step.sampled, "sampler": [_sampler_row(s) for s in sampler]}
+
+    def _write_header(self, step: Step) -> None:
+        self._header = True
+        hooks = self.context.hooks
+        self.writer.write({
+            "kind": "header", "format": FORMAT, "version": VERSION,
+            "engine": step.engine, "engine_version": hooks.engine_version(),
+            "world_size": self.context.world_size, "tp_size": self.context.world_size,
+            "kv_block_size": step.kv_block_size, "models": self.models,
+            "options": self.options.model_dump(), "compiled": torch.compiler.is_compiling(),
+            "cuda_graphs": capturing(), "eager": not capturing(),
+            "torch": torch.__version__, "host": platform.node(),
+        }, step=-1)
+
+
+def _sampler_row(packed: list[int]) -> dict[str, Any]:
+    import struct
+
+    top1, top2 = (struct.unpack("<d", struct.pack("<q", v))[0] for v in packed[2:4])
+    return {"argmax": packed[0], "runner_up": packed[1], "top1": top1, "top2": top2,
+            "gap": top1 - top2}
