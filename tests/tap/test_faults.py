@@ -63,7 +63,7 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis(record: Recorder, model: 
         _, run = record(model, requests(SAME))
     pairs = {p.keys: p for p in find_pairs(run.rank(0))}
     pair = pairs[("r0", "r1")]
-    assert pair.steps_compared >= fault_step + 1
+    assert pair.rows_compared >= fault_step + 1
     assert (pair.first_step, pair.checkpoint, pair.agreeing_input) == (fault_step, checkpoint,
                                                                        agrees)
 

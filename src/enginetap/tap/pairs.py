@@ -24,7 +24,7 @@ class PairFinding:
     """Two requests whose same-prefix rows were compared, and where they first split."""
 
     keys: tuple[str, str]
-    steps_compared: int = 0
+    rows_compared: int = 0
     first_step: int | None = None
     position: int | None = None
     checkpoint: str | None = None
@@ -37,7 +37,7 @@ class PairFinding:
         return self.first_step is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": list(self.keys), "steps_compared": self.steps_compared,
+        return {"keys": list(self.keys), "rows_compared": self.rows_compared,
                 "first_step": self.first_step, "position": self.position,
                 "culprit": self.checkpoint, "agreeing_input": self.agreeing_input,
                 "split_steps": len(self.splits)}
@@ -49,16 +49,34 @@ def layer_of(checkpoint: str) -> str:
     return head if head[:1] == "L" and head[1:].isdigit() else "model"
 
 
+_PER_REQUEST = (".state_before", ".state_after", ".conv_before", ".conv_after")
+
+
 def compared(name: str, position: int) -> bool:
-    """Whether checkpoint ``name`` is comparable between rows at ``position`` (the
-    previous KV column of position 0 is padding, not the request's)."""
+    """Whether checkpoint ``name`` is comparable between same-prefix rows at ``position``
+    (the previous KV column of position 0 is padding, not the request's)."""
     return not (position == 0 and name.split("#")[0].endswith(".kv_prev"))
 
 
-def _first_difference(step: StepRecord, i: int, j: int) -> int | None:
-    position = step.rows[i]["pos"]
+def _comparable(name: str, a: dict[str, Any], b: dict[str, Any], both_last: bool) -> bool:
+    if not compared(name, a["pos"]):
+        return False
+    if name.split("#")[0].endswith(_PER_REQUEST):
+        # a recurrent state covers every token of its request up to the step's end (after)
+        # or start (before): comparable only where both cover the same prefix
+        return both_last and a["computed_host"] == b["computed_host"]
+    return True
+
+
+def _last_of_request(step: StepRecord) -> set[int]:
+    return set({row["key"]: i for i, row in enumerate(step.rows)}.values())
+
+
+def _first_difference(step: StepRecord, i: int, j: int, last: set[int]) -> int | None:
+    a, b = step.rows[i], step.rows[j]
+    both_last = i in last and j in last
     for c, name in enumerate(step.checkpoints):
-        if compared(name, position) and step.hashes[c][i] != step.hashes[c][j]:
+        if step.hashes[c][i] != step.hashes[c][j] and _comparable(name, a, b, both_last):
             return c
     return None
 
@@ -84,27 +102,30 @@ def find_pairs(rank: RankTap) -> list[PairFinding]:
     """Every pair of requests that shared a (position, token prefix) in some step."""
     found: dict[tuple[str, str], PairFinding] = {}
     for step in rank.steps:
+        earliest: dict[tuple[str, str], tuple[int, int, int]] = {}
+        last = _last_of_request(step)
         for group in _groups(step):
             for i, j in combinations(group, 2):
                 a, b = step.rows[i]["key"], step.rows[j]["key"]
                 if a == b:
                     continue
-                if a > b:
-                    a, b, i, j = b, a, j, i
-                _compare(found.setdefault((a, b), PairFinding((a, b))), step, i, j)
+                keys = (a, b) if a < b else (b, a)
+                pair = found.setdefault(keys, PairFinding(keys))
+                pair.rows_compared += 1
+                c = _first_difference(step, i, j, last)
+                # all rows of a step run each checkpoint together: the pair's first
+                # difference this step is the earliest checkpoint over its rows
+                if c is not None and (keys not in earliest or c < earliest[keys][0]):
+                    earliest[keys] = (c, step.rows[i]["pos"], i)
+        for keys, (c, position, _) in earliest.items():
+            _split(found[keys], step, c, position)
     return sorted(found.values(), key=lambda p: (p.first_step is None, p.first_step or 0, p.keys))
 
 
-def _compare(pair: PairFinding, step: StepRecord, i: int, j: int) -> None:
-    pair.steps_compared += 1
-    c = _first_difference(step, i, j)
-    if c is None:
-        return
-    if pair.splits and pair.splits[-1][0] == step.step:
-        return  # one split per step: the earliest rows of the step already named it
+def _split(pair: PairFinding, step: StepRecord, c: int, position: int) -> None:
     pair.splits.append((step.step, step.checkpoints[c]))
     if pair.first_step is None:
-        pair.first_step, pair.position = step.step, step.rows[i]["pos"]
+        pair.first_step, pair.position = step.step, position
         pair.checkpoint, pair.agreeing_input = step.checkpoints[c], _agreeing_input(step, c)
 
 

@@ -124,7 +124,7 @@ def _grid(r: RankAnalysis) -> str:
 
 
 def _rank_html(r: RankAnalysis) -> str:
-    pairs = [[p.keys[0], p.keys[1], p.steps_compared, p.first_step, p.position, p.checkpoint,
+    pairs = [[p.keys[0], p.keys[1], p.rows_compared, p.first_step, p.position, p.checkpoint,
               p.agreeing_input, len(p.splits)] for p in r.pairs]
     violations = [[v.kind, v.step, v.checkpoint, v.key, v.position, v.slot, v.detail]
                   for v in r.continuity]
@@ -132,7 +132,7 @@ def _rank_html(r: RankAnalysis) -> str:
     sampler = [[s.step, s.keys[0], s.tokens[0], f"{s.gaps[0]:.4g}", s.keys[1], s.tokens[1],
                 f"{s.gaps[1]:.4g}", s.kind] for s in r.sampler]
     return (f"<h2>Rank {r.rank}: {r.steps} steps, {r.rows} tapped rows</h2>{_grid(r)}"
-            + _table("Same-prefix pairs", ["request A", "request B", "steps compared",
+            + _table("Same-prefix pairs", ["request A", "request B", "rows compared",
                                            "first split step", "position", "culprit",
                                            "agreeing input", "steps split"], pairs)
             + _table("Continuity violations", ["kind", "step", "checkpoint", "request",
