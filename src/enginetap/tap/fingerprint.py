@@ -61,40 +61,56 @@ def hash_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Layout:
-    row_of_word: torch.Tensor
-    weight_of_word: torch.Tensor
+class _Width:
+    """Staged rows of one byte width: ``[slots, rows, width]`` in one growing buffer."""
+
+    width: int
+    buffer: torch.Tensor
+    slots: int = 0
 
 
 @dataclass
 class StepStaging:
-    """One step's staged rows on one device; reused step after step."""
+    """One step's staged rows on one device; buffers are kept and reused step after step.
+
+    Rows are grouped by byte width (hidden size, expert count, KV row...), so that the
+    hash at step end is a few uniform kernels per width, whatever the checkpoint count.
+    """
 
     rows: int
     device: torch.device
-    buffer: torch.Tensor | None = None
-    widths: list[int] = field(default_factory=list)
-    used: int = 0
-    _layouts: dict[tuple[int, tuple[int, ...]], _Layout] = field(default_factory=dict)
+    order: list[tuple[int, int]] = field(default_factory=list)
+    """(width, slot) of every staged checkpoint, in staging order."""
+    _widths: dict[int, _Width] = field(default_factory=dict)
+    _weights: torch.Tensor | None = None
 
     def reset(self, rows: int) -> None:
-        self.rows, self.widths, self.used = rows, [], 0
+        self.rows, self.order = rows, []
+        for group in self._widths.values():
+            group.slots = 0
+
+    @property
+    def used(self) -> int:
+        """Bytes staged this step."""
+        return sum(g.slots * self.rows * g.width for g in self._widths.values())
 
     def segment(self, nbytes: int) -> torch.Tensor:
         """A ``[rows, width]`` uint8 slot (``width`` = ``nbytes`` rounded up to 4)."""
         width = nbytes + (-nbytes) % 4
-        need = self.used + self.rows * width
-        if self.buffer is None or self.buffer.numel() < need:
-            grown = torch.zeros(max(need, 2 * (self.buffer.numel() if self.buffer is not None
-                                               else 0), 1 << 16),
-                                dtype=torch.uint8, device=self.device)
-            if self.buffer is not None and self.used:
-                grown[:self.used].copy_(self.buffer[:self.used])
-            self.buffer = grown
-        slot = self.buffer[self.used:need].view(self.rows, width)
-        self.used = need
-        self.widths.append(width)
-        return slot
+        group = self._widths.get(width)
+        need = (group.slots + 1 if group else 1) * self.rows * width
+        if group is None or group.buffer.numel() < need:
+            grown = torch.zeros(max(need, 2 * (group.buffer.numel() if group else 0),
+                                    16 * self.rows * width), dtype=torch.uint8, device=self.device)
+            if group is not None:
+                grown[:group.buffer.numel()].copy_(group.buffer)
+                group.buffer = grown
+            else:
+                group = self._widths[width] = _Width(width, grown)
+        start = group.slots * self.rows * width
+        self.order.append((width, group.slots))
+        group.slots += 1
+        return group.buffer[start:start + self.rows * width].view(self.rows, width)
 
     def stage(self, source: torch.Tensor, index: torch.Tensor) -> None:
         """Gather rows ``index`` of ``[n, nbytes]`` uint8 ``source`` into a new slot."""
@@ -107,32 +123,29 @@ class StepStaging:
             slot[:, nbytes:].zero_()
 
     def hashes(self) -> torch.Tensor:
-        """``[slots, rows]`` int64 hashes of everything staged this step (on device)."""
-        if not self.widths:
+        """``[slots, rows]`` int64 hashes of everything staged this step (on device), in
+        staging order; a few kernels per distinct width."""
+        if not self.order:
             return torch.zeros((0, self.rows), dtype=torch.int64, device=self.device)
-        layout = self._layout()
-        assert self.buffer is not None
-        words = self.buffer[:self.used].view(torch.int32).to(torch.int64)
-        out = torch.zeros(len(self.widths) * self.rows, dtype=torch.int64, device=self.device)
-        out.index_add_(0, layout.row_of_word, words * layout.weight_of_word)
-        return out.view(len(self.widths), self.rows)
+        parts, base = [], {}
+        for width, group in self._widths.items():
+            if group.slots:
+                base[width] = sum(p.shape[0] for p in parts)
+                parts.append(self._hash_width(group))
+        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if len(parts) == 1:
+            return stacked
+        order = torch.tensor([base[w] + slot for w, slot in self.order], device=self.device)
+        return stacked.index_select(0, order)
 
-    def _layout(self) -> _Layout:
-        key = (self.rows, tuple(self.widths))
-        found = self._layouts.get(key)
-        if found is None:
-            if len(self._layouts) > 64:  # layouts change with batch shape; keep a few
-                self._layouts.clear()
-            found = self._layouts[key] = self._build_layout()
-        return found
+    def _hash_width(self, group: _Width) -> torch.Tensor:
+        words = group.width // 4
+        n = group.slots * self.rows
+        view = group.buffer[:n * group.width].view(torch.int32).view(n, words)
+        return (view.to(torch.int64) * self._weights_for(words)).sum(dim=1).view(
+            group.slots, self.rows)
 
-    def _build_layout(self) -> _Layout:
-        rows, weights = [], []
-        longest = max(self.widths) // 4
-        w = word_weights(longest, self.device)
-        for slot, width in enumerate(self.widths):
-            n = width // 4
-            base = torch.arange(self.rows, device=self.device) + slot * self.rows
-            rows.append(base.repeat_interleave(n))
-            weights.append(w[:n].repeat(self.rows))
-        return _Layout(torch.cat(rows), torch.cat(weights))
+    def _weights_for(self, words: int) -> torch.Tensor:
+        if self._weights is None or self._weights.numel() < words:
+            self._weights = word_weights(max(words, 1024), self.device)
+        return self._weights[:words]

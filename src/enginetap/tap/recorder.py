@@ -47,6 +47,10 @@ class TapRecorder:
         self.models: list[dict[str, Any]] = []
         self.refused: set[str] = set()
         self._header = False
+        self.last_checkpoints = 0
+        """Checkpoints recorded in the last step (benchmarks, logs)."""
+        self.last_bytes = 0
+        """Bytes staged and hashed in the last step."""
         self._staging: dict[torch.device, StepStaging] = {}
         self._clear()
 
@@ -102,6 +106,8 @@ class TapRecorder:
             return
         try:
             self.writer.write(self._record(step), step=step.step)
+            self.last_checkpoints = len(self.names)
+            self.last_bytes = sum(s.used for s in self._staging.values())
         finally:
             self._clear()
 
