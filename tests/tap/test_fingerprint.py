@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from enginetap.tap.fingerprint import StepStaging, hash_rows, row_bytes
+from enginetap.tap.fingerprint import StepStaging, hash_rows, row_bytes, token_rows
 
 
 def _staged(tensors: list[torch.Tensor], index: torch.Tensor, rows: int) -> torch.Tensor:
     staging = StepStaging(len(index), torch.device("cpu"))
     staging.reset(len(index))
     for t in tensors:
-        source = row_bytes(t, rows)
+        source = token_rows(t, rows)
         assert source is not None
         staging.stage(source, index)
     return staging.hashes()
@@ -26,7 +27,7 @@ def test_staged_hashes_equal_the_reference_for_mixed_widths_and_dtypes() -> None
     index = torch.tensor([11, 3, 7])
     staged = _staged(tensors, index, 12)
     for slot, t in enumerate(tensors):
-        source = row_bytes(t, 12)
+        source = token_rows(t, 12)
         assert source is not None
         assert torch.equal(staged[slot], hash_rows(source[index]))
     assert len(set(staged.flatten().tolist())) == staged.numel()
@@ -51,9 +52,26 @@ def test_tensors_without_token_rows_are_skipped_and_staging_is_reused() -> None:
     assert row_bytes(torch.zeros(2, 2, 3), 4) is not None
     index = torch.tensor([0, 1])
     staging = StepStaging(2, torch.device("cpu"))
-    for width in (8, 4000, 8):  # grows, then a smaller step reuses the buffer
+    for slots in (3, 20, 3):  # grows past its first capacity, then reuses the buffer
         staging.reset(2)
-        source = row_bytes(torch.ones(2, width), 2)
-        assert source is not None
-        staging.stage(source, index)
-        assert torch.equal(staging.hashes()[0], hash_rows(source))
+        sources = [torch.full((2, 5), float(i)) for i in range(slots)]
+        for source in sources:
+            staging.stage(source, index)
+        staging.stage(torch.ones(2, 3, dtype=torch.bool).view(torch.uint8), None)
+        hashes = staging.hashes()
+        assert hashes.shape == (slots + 1, 2)
+        assert all(torch.equal(hashes[i], hash_rows(s)) for i, s in enumerate(sources))
+        assert torch.equal(hashes[-1], hash_rows(torch.ones(2, 3, dtype=torch.uint8)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_hashes_on_cuda_equal_the_cpu_reference() -> None:
+    x = torch.randn(64, 5120, dtype=torch.bfloat16)
+    index = torch.arange(0, 64, 2)
+    staging = StepStaging(len(index), torch.device("cuda"))
+    staging.reset(len(index))
+    staging.stage(x.cuda(), index.cuda())
+    staging.stage(x[:, :7].float().cuda(), index.cuda())
+    got = staging.hashes().cpu()
+    assert torch.equal(got[0], hash_rows(x[index]))
+    assert torch.equal(got[1], hash_rows(x[:, :7].float()[index]))

@@ -9,16 +9,17 @@ work; per-checkpoint launches, not bytes, are what tapping costs (see ENGINES.md
 The hash of a row of 32-bit words ``x_j`` is ``sum_j x_j * w_j mod 2**64`` with odd
 weights ``w_j`` that depend on ``j``: a flipped bit or two swapped words change it. It is
 computed on the bytes, so ``-0.0`` and ``0.0`` or two NaN payloads differ, as they should
-for a bitwise tap. Rows whose byte length is not a multiple of 4 are zero-padded.
+for a bitwise tap. Rows whose byte length is not a multiple of 4 are hashed byte by byte.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["StepStaging", "hash_rows", "row_bytes", "word_weights"]
+__all__ = ["StepStaging", "hash_rows", "row_bytes", "token_rows", "word_weights"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -31,119 +32,126 @@ def word_weights(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(signed, dtype=torch.int64, device=device)
 
 
-def row_bytes(tensor: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """``tensor`` as ``[rows, nbytes]`` uint8 (a view where possible), or None when its
-    leading dims do not flatten to ``rows`` token rows."""
+def token_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``tensor`` as ``[rows, width]`` in its own dtype (a view where it is contiguous),
+    or None when its leading dims do not flatten to ``rows`` token rows."""
     if tensor.dim() == 0 or tensor.numel() == 0:
         return None
-    if tensor.shape[0] == rows:
-        flat = tensor.reshape(rows, -1)
-    elif tensor.dim() >= 2 and tensor.shape[0] * tensor.shape[1] == rows:
-        flat = tensor.reshape(rows, -1)
-    else:
+    if tensor.shape[0] != rows and not (tensor.dim() >= 2
+                                        and tensor.shape[0] * tensor.shape[1] == rows):
         return None
+    flat = tensor.view(rows, -1) if tensor.is_contiguous() else tensor.reshape(rows, -1)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return flat.view(torch.uint8)
+    return flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+
+
+def row_bytes(tensor: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """:func:`token_rows` as ``[rows, nbytes]`` uint8."""
+    flat = token_rows(tensor, rows)
+    return None if flat is None else flat.view(torch.uint8)
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """``[..., width]`` rows as int64 words: 32-bit words where a row's bytes are a multiple
+    of 4 long, single bytes otherwise."""
+    if rows.shape[-1] * rows.element_size() % 4 == 0:
+        return rows.view(torch.int32).to(torch.int64)
+    return rows.view(torch.uint8).to(torch.int64)
 
 
 def hash_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Hashes of ``[k, nbytes]`` uint8 rows as ``[k]`` int64 (the reference the staged
-    path must equal; used by tests and the benchmark)."""
-    k, nbytes = rows.shape
-    pad = (-nbytes) % 4
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    words = rows.contiguous().view(torch.int32).to(torch.int64)
+    """Hashes of ``[k, width]`` rows (any dtype) as ``[k]`` int64: the reference the staged
+    path equals (tests, the benchmark)."""
+    words = _words(rows.contiguous())
     return (words * word_weights(words.shape[1], rows.device)).sum(dim=1)
 
 
 @dataclass
-class _Width:
-    """Staged rows of one byte width: ``[slots, rows, width]`` in one growing buffer."""
+class _Group:
+    """Staged rows of one (dtype, width, rows): ``[capacity, rows, width]``, its slot views
+    made once (a checkpoint then costs one gather and no other tensor call)."""
 
-    width: int
     buffer: torch.Tensor
+    views: list[torch.Tensor]
     slots: int = 0
+
+    @classmethod
+    def new(cls, capacity: int, rows: int, width: int, dtype: torch.dtype,
+            device: torch.device) -> _Group:
+        buffer = torch.zeros((capacity, rows, width), dtype=dtype, device=device)
+        return cls(buffer, list(buffer.unbind(0)))
 
 
 @dataclass
 class StepStaging:
     """One step's staged rows on one device; buffers are kept and reused step after step.
 
-    Rows are grouped by byte width (hidden size, expert count, KV row...), so that the
-    hash at step end is a few uniform kernels per width, whatever the checkpoint count.
+    Rows are grouped by dtype and width (hidden size, expert count, KV row...), so that
+    the hash at step end is a few uniform kernels per group, whatever the checkpoint
+    count, and a checkpoint is one gather into a ready slot.
     """
 
     rows: int
     device: torch.device
-    order: list[tuple[int, int]] = field(default_factory=list)
-    """(width, slot) of every staged checkpoint, in staging order."""
-    _widths: dict[int, _Width] = field(default_factory=dict)
+    order: list[tuple[tuple[Any, ...], int]] = field(default_factory=list)
+    """(group key, slot) of every staged checkpoint, in staging order."""
+    _groups: dict[tuple[Any, ...], _Group] = field(default_factory=dict)
     _weights: torch.Tensor | None = None
 
     def reset(self, rows: int) -> None:
         self.rows, self.order = rows, []
-        for group in self._widths.values():
+        for group in self._groups.values():
             group.slots = 0
 
     @property
     def used(self) -> int:
         """Bytes staged this step."""
-        return sum(g.slots * self.rows * g.width for g in self._widths.values())
+        return sum(g.slots * g.buffer[0].numel() * g.buffer.element_size()
+                   for g in self._groups.values())
 
-    def segment(self, nbytes: int) -> torch.Tensor:
-        """A ``[rows, width]`` uint8 slot (``width`` = ``nbytes`` rounded up to 4)."""
-        width = nbytes + (-nbytes) % 4
-        group = self._widths.get(width)
-        need = (group.slots + 1 if group else 1) * self.rows * width
-        if group is None or group.buffer.numel() < need:
-            grown = torch.zeros(max(need, 2 * (group.buffer.numel() if group else 0),
-                                    16 * self.rows * width), dtype=torch.uint8, device=self.device)
+    def slot(self, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """The next free ``[rows, width]`` slot of ``dtype``."""
+        key = (dtype, width, self.rows)
+        group = self._groups.get(key)
+        if group is None or group.slots == len(group.views):
+            grown = _Group.new(max(8, 2 * (len(group.views) if group else 0)), self.rows,
+                               width, dtype, self.device)
             if group is not None:
-                grown[:group.buffer.numel()].copy_(group.buffer)
-                group.buffer = grown
-            else:
-                group = self._widths[width] = _Width(width, grown)
-        start = group.slots * self.rows * width
-        self.order.append((width, group.slots))
+                grown.buffer[:group.slots].copy_(group.buffer[:group.slots])
+                grown.slots = group.slots
+            group = self._groups[key] = grown
+        self.order.append((key, group.slots))
         group.slots += 1
-        return group.buffer[start:start + self.rows * width].view(self.rows, width)
+        return group.views[group.slots - 1]
 
-    def stage(self, source: torch.Tensor, index: torch.Tensor) -> None:
-        """Gather rows ``index`` of ``[n, nbytes]`` uint8 ``source`` into a new slot."""
-        nbytes = source.shape[1]
-        slot = self.segment(nbytes)
-        if slot.shape[1] == nbytes:
-            torch.index_select(source, 0, index, out=slot)
+    def stage(self, source: torch.Tensor, index: torch.Tensor | None) -> None:
+        """Gather rows ``index`` of ``[n, width]`` ``source`` into a new slot (``index``
+        None: ``source`` holds exactly the tapped rows)."""
+        slot = self.slot(source.dtype, source.shape[1])
+        if index is None:
+            slot.copy_(source)
         else:
-            slot[:, :nbytes].copy_(source.index_select(0, index))
-            slot[:, nbytes:].zero_()
+            torch.index_select(source, 0, index, out=slot)
 
     def hashes(self) -> torch.Tensor:
         """``[slots, rows]`` int64 hashes of everything staged this step (on device), in
-        staging order; a few kernels per distinct width."""
+        staging order; a few kernels per group."""
         if not self.order:
             return torch.zeros((0, self.rows), dtype=torch.int64, device=self.device)
-        parts, base = [], {}
-        for width, group in self._widths.items():
+        parts, base, offset = [], {}, 0
+        for key, group in self._groups.items():
             if group.slots:
-                base[width] = sum(p.shape[0] for p in parts)
-                parts.append(self._hash_width(group))
-        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+                base[key], offset = offset, offset + group.slots
+                parts.append(self._hash_group(group))
         if len(parts) == 1:
-            return stacked
-        order = torch.tensor([base[w] + slot for w, slot in self.order], device=self.device)
-        return stacked.index_select(0, order)
+            return parts[0]
+        order = torch.tensor([base[key] + slot for key, slot in self.order], device=self.device)
+        return torch.cat(parts).index_select(0, order)
 
-    def _hash_width(self, group: _Width) -> torch.Tensor:
-        words = group.width // 4
-        n = group.slots * self.rows
-        view = group.buffer[:n * group.width].view(torch.int32).view(n, words)
-        return (view.to(torch.int64) * self._weights_for(words)).sum(dim=1).view(
-            group.slots, self.rows)
+    def _hash_group(self, group: _Group) -> torch.Tensor:
+        words = _words(group.buffer[:group.slots])
+        return (words * self._weights_for(words.shape[-1])).sum(dim=-1)
 
     def _weights_for(self, words: int) -> torch.Tensor:
         if self._weights is None or self._weights.numel() < words:

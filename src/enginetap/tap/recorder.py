@@ -19,7 +19,7 @@ from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step, subscribe, unsubscribe
 from enginetap.core.jsonl import RankJsonl
 from enginetap.core.tensors import capturing
-from enginetap.tap.fingerprint import StepStaging, row_bytes
+from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
 from enginetap.tap.rows import PrefixTracker, row_records, select_rows
 
@@ -52,6 +52,7 @@ class TapRecorder:
         self.last_bytes = 0
         """Bytes staged and hashed in the last step."""
         self._staging: dict[torch.device, StepStaging] = {}
+        self._cuda = torch.cuda.is_available()
         self._clear()
 
     def _clear(self) -> None:
@@ -123,7 +124,7 @@ class TapRecorder:
 
     def allowed(self, name: str) -> bool:
         """False (and noted once) inside compile tracing or graph capture unless forced."""
-        if self.options.force or not capturing():
+        if self.options.force or not (torch.compiler.is_compiling() or self._capturing()):
             return True
         if name not in self.refused:
             self.refused.add(name)
@@ -132,27 +133,30 @@ class TapRecorder:
                            name)
         return False
 
+    def _capturing(self) -> bool:
+        return self._cuda and capturing()
+
     def checkpoint(self, name: str, tensor: Any) -> None:
         """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
         forward) under ``name``; tensors of another layout are skipped."""
-        if self.step is None or not isinstance(tensor, torch.Tensor):
+        step = self.step
+        if step is None or not isinstance(tensor, torch.Tensor):
             return
-        padded = self.step.padded_tokens or len(self.step.rows)
-        source = row_bytes(tensor.detach(), padded)
+        source = token_rows(tensor.detach(), step.padded_tokens or len(step.rows))
         if source is None or not self.allowed(name):
             return
-        staging = self._staging_for(source.device)
-        staging.stage(source, self.index(source.device))
-        self.names.append((source.device, self._unique(name)))
+        device = source.device
+        self._staging_for(device).stage(source, self.index(device))
+        self.names.append((device, self._unique(name)))
 
     def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
         if self.step is None or not self.allowed(name):
             return
         source = rows.detach().reshape(len(self.rows), -1)
-        source = source.contiguous().view(torch.uint8)
-        staging = self._staging_for(source.device)
-        staging.stage(source, torch.arange(len(self.rows), device=source.device))
+        if source.dtype == torch.bool:
+            source = source.view(torch.uint8)
+        self._staging_for(source.device).stage(source, None)
         self.names.append((source.device, self._unique(name)))
 
     def note_logits(self, logits: torch.Tensor) -> None:
