@@ -39,8 +39,11 @@ def test_tap_records_inside_a_vllm_worker(vllm_lock: None, tmp_path: Path) -> No
     rank = run.rank(0)
     assert run.header["world_size"] == 1 and rank.steps
     names = rank.steps[0].checkpoints
-    assert {"L0.in", "L0.attn.out", "L0.mlp.out", "L1.out"} <= set(names)
-    assert names.index("L0.in") < names.index("L0.attn.out") < names.index("L1.in")
+    # the kernel layer inside self_attn is named apart from it (no "#2" duplicates)
+    assert {"L0.in", "L0.attn.core.out", "L0.attn.out", "L0.mlp.out", "L1.out"} <= set(names)
+    assert not [n for n in names if "#" in n]
+    assert names.index("L0.in") < names.index("L0.attn.core.out") < names.index("L0.attn.out") \
+        < names.index("L1.in")
     keys = {row["key"] for step in rank.steps for row in step.rows}
     assert set(report["requests"]) <= keys
     assert {s.mode for s in rank.steps} == {"prefill", "decode", "mixed"}

@@ -8,7 +8,7 @@ from typing import Any
 from enginetap.core.capability import ArmContext, InstallResult
 from enginetap.core.patching import PatchSet
 from enginetap.tap.options import TapOptions
-from enginetap.tap.points import logits_wrapper, sublayer_wrapper
+from enginetap.tap.points import CheckpointNames, logits_wrapper, sublayer_wrapper
 from enginetap.tap.recorder import TapRecorder
 
 __all__ = ["TapInstall", "install"]
@@ -21,10 +21,12 @@ class TapInstall:
     recorder: TapRecorder
     patches: PatchSet = field(default_factory=lambda: PatchSet("tap"))
     targets: set[str] = field(default_factory=set)
+    names: CheckpointNames = field(default_factory=CheckpointNames)
 
     def add_model(self, model: Any, targets: list[str]) -> None:
         """Wrap ``model``'s sublayer classes (once per class) and its own forward."""
         self.recorder.model_loaded(model)
+        self.names.add_model(model)
         fresh = PatchSet("tap")
         cls = type(model)
         own = f"{cls.__module__}:{cls.__qualname__}.forward"
@@ -32,8 +34,8 @@ class TapInstall:
             if target in self.targets:
                 continue
             self.targets.add(target)
-            factory = logits_wrapper if target == own else sublayer_wrapper
-            fresh.add(target, factory(self.recorder))
+            fresh.add(target, logits_wrapper(self.recorder) if target == own
+                      else sublayer_wrapper(self.recorder, self.names))
         fresh.install()
         self.patches.patches.extend(fresh.patches)
 

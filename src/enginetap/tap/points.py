@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
 from enginetap.core.scope import SCOPE
 from enginetap.tap.recorder import TapRecorder
 
-__all__ = ["logits_wrapper", "sublayer_wrapper"]
+__all__ = ["CheckpointNames", "logits_wrapper", "sublayer_wrapper"]
 
 _LAYER = re.compile(r"^L\d+$")
 
@@ -43,10 +44,39 @@ def _outputs(value: Any) -> list[tuple[str, Any]]:
 
 
 def _hidden(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+    """The hidden states a module is called with: by name, else the first floating-point
+    tensor argument (vLLM's decoder layers take ``positions`` first)."""
+    found = kwargs.get("hidden_states")
+    if found is not None:
+        return found
+    for value in (*args, kwargs.get("x")):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    return None
 
 
-def sublayer_wrapper(recorder: TapRecorder):
+class CheckpointNames:
+    """The checkpoint base name of every module of the loaded models: its scope short
+    name, plus ``.core`` where a module's short name equals its parent's (vLLM's
+    ``self_attn.attn`` kernel layer inside ``self_attn``), so names stay unique."""
+
+    def __init__(self) -> None:
+        self._names: WeakKeyDictionary[Any, str] = WeakKeyDictionary()
+
+    def add_model(self, model: Any) -> None:
+        shorts = {q: SCOPE.short(m) for q, m in model.named_modules()}
+        for qualname, module in model.named_modules():
+            short = shorts[qualname]
+            if short is None:
+                continue
+            parent = shorts.get(qualname.rpartition(".")[0]) if "." in qualname else None
+            self._names[module] = f"{short}.core" if parent == short else short
+
+    def get(self, module: Any) -> str | None:
+        return self._names.get(module)
+
+
+def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
     """The wrapper factory's product for every sublayer target."""
     every_input = recorder.options.inputs == "all"
     continuity = recorder.options.continuity
@@ -54,13 +84,13 @@ def sublayer_wrapper(recorder: TapRecorder):
     def tap_sublayer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if recorder.step is None:
             return wrapped(*args, **kwargs)
-        name = SCOPE.short(instance)
+        name = names.get(instance)
         if name is None:
             return wrapped(*args, **kwargs)
         hidden = _hidden(args, kwargs)
         if every_input or _LAYER.match(name):
             recorder.checkpoint(f"{name}.in", hidden)
-        kind = name.rpartition(".")[2]
+        kind = name.removesuffix(".core").rpartition(".")[2]
         if continuity and kind == "gdn":
             _state_points(recorder, name, instance, hidden, kwargs, "before")
         out = wrapped(*args, **kwargs)
