@@ -178,6 +178,14 @@ class Nothing:
     def uninstall(self) -> None: ...
 
 
+def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
+    return {"disarmed": Nothing(),
+            "tap": TapVariant(model, out / "tap", {"max_rows": rows, "continuity": False,
+                                                   "sampler": False}),
+            "tap+points": TapVariant(model, out / "full", {"max_rows": rows}),
+            "seed-002": SeedStyle(model, rows)}
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -198,13 +206,7 @@ def main() -> None:
     model = build(args)
     loop = Loop(model, args.batch, args.context, args.device)
     out = Path(tempfile.mkdtemp(prefix="bench-tap-"))
-    variants: dict[str, Any] = {
-        "disarmed": Nothing(),
-        "tap": TapVariant(model, out / "tap", {"max_rows": args.rows, "continuity": False,
-                                               "sampler": False}),
-        "tap+points": TapVariant(model, out / "full", {"max_rows": args.rows}),
-        "seed-002": SeedStyle(model, args.rows),
-    }
+    variants = make_variants(model, out, args.rows)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, variant in variants.items():
@@ -220,7 +222,8 @@ def main() -> None:
 def report(args: argparse.Namespace, times: dict[str, list[float]], variants: dict) -> None:
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     base = median["disarmed"]
-    print(f"device {args.device}, model {args.model if not args.hidden else f'llama hidden {args.hidden} x {args.layers}'}, "
+    model = f"llama hidden {args.hidden} x {args.layers}" if args.hidden else args.model
+    print(f"device {args.device}, model {model}, "
           f"batch {args.batch}, context {args.context}, rows {args.rows}, "
           f"{args.rounds}x{args.steps} steps per variant, torch {torch.__version__}")
     for name, ms in median.items():

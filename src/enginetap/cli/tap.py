@@ -19,7 +19,8 @@ def run(
     model: Annotated[str, typer.Option(help="builtin:NAME or a model folder.")],
     prompts: Annotated[str, typer.Option(help="A prompt FILE or builtin:NAME (pairs, short).")],
     out: Annotated[Path, typer.Option(help="Directory for the tap files.")],
-    engine: Annotated[str, typer.Option(help="builtin (vllm: arm with ENGINETAP_CAPABILITIES=tap).")] = "builtin",
+    engine: Annotated[str, typer.Option(
+        help="builtin (vLLM: arm it with ENGINETAP_CAPABILITIES=tap).")] = "builtin",
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
     max_rows: Annotated[int, typer.Option(min=1)] = 64,

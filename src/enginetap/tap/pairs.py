@@ -16,7 +16,8 @@ from typing import Any
 
 from enginetap.tap.files import RankTap, StepRecord
 
-__all__ = ["PairFinding", "SamplerFinding", "compared", "find_pairs", "layer_of", "sampler_findings"]
+__all__ = ["PairFinding", "SamplerFinding", "compared", "find_pairs", "layer_of",
+           "sampler_findings"]
 
 
 @dataclass

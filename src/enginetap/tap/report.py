@@ -75,7 +75,8 @@ def summary(analysis: Analysis) -> list[str]:
         split = [p for p in r.pairs if p.split]
         lines.append(f"rank {r.rank}: {r.steps} steps, {r.rows} tapped rows, {len(r.pairs)} "
                      f"same-prefix pair(s), {len(split)} split, {len(r.continuity)} continuity "
-                     f"and {len(r.metadata)} metadata violation(s), {len(r.sampler)} sampler flip(s)")
+                     f"and {len(r.metadata)} metadata violation(s), {len(r.sampler)} "
+                     "sampler flip(s)")
         for p in split[:20]:
             lines.append(f"  pair {p.keys[0]} / {p.keys[1]}: first split at step {p.first_step} "
                          f"position {p.position}, culprit {p.checkpoint} (input "

@@ -82,10 +82,8 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
                        options={"tap": tap or {}, "step": {"record": False}})
     kwargs = {"dtype": getattr(torch, dtype), "prefix_cache_size": 0, "arm": config}
     try:
-        if model.startswith("builtin:"):
-            engine = HFEngine.from_builtin(model.partition(":")[2], **kwargs)
-        else:
-            engine = HFEngine(model, **kwargs)
+        engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
+                  if model.startswith("builtin:") else HFEngine(model, **kwargs))
         outputs: list[list[int]] = []
         for start in range(0, len(prompts), batch_size):
             batch = [Request(request_id=f"p{start + i}", prompt=p, max_new_tokens=max_new_tokens)
