@@ -75,3 +75,16 @@ def test_staged_hashes_on_cuda_equal_the_cpu_reference() -> None:
     got = staging.hashes().cpu()
     assert torch.equal(got[0], hash_rows(x[index]))
     assert torch.equal(got[1], hash_rows(x[:, :7].float()[index]))
+
+
+def test_the_background_sink_writes_in_order_and_drains(tmp_path) -> None:
+    from enginetap.core.jsonl import RankJsonl
+    from enginetap.tap.sink import RecordSink
+
+    sink = RecordSink(RankJsonl(tmp_path / "t.jsonl", 0), background=True)
+    for i in range(50):
+        sink.submit(lambda i=i: {"i": i}, i)
+    sink.drain()
+    lines = (tmp_path / "t-rank0.jsonl").read_text().splitlines()
+    assert [int(line.split('"i":')[1].rstrip("}")) for line in lines] == list(range(50))
+    sink.close()

@@ -2,9 +2,10 @@
 
 Step begin picks the tapped rows; every checkpoint during the step gathers those rows'
 bytes into the step's staging buffer (:mod:`enginetap.tap.fingerprint`); step end hashes
-them all, brings hashes and sampler values to the host in one transfer and writes one
-JSONL record through the per-rank writer. Outside a step (warm-up, dummy runs) every
-checkpoint is a no-op.
+them all and brings hashes and sampler values to the host in one transfer; the JSONL
+record is formatted and written off the step path where a GPU runs the model
+(:mod:`enginetap.tap.sink`). Outside a step (warm-up, dummy runs) every checkpoint is
+a no-op.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from enginetap.core.tensors import capturing
 from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
 from enginetap.tap.rows import PrefixTracker, row_records, select_rows
+from enginetap.tap.sink import RecordSink
 
 logger = logging.getLogger("enginetap.tap")
 
@@ -42,6 +44,7 @@ class TapRecorder:
         self.context = context
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
+        self.sink = RecordSink(self.writer, background=torch.cuda.is_available())
         self.filters = [options.request_filter, context.config.request_filter]
         self.prefixes = PrefixTracker()
         self.models: list[dict[str, Any]] = []
@@ -74,7 +77,7 @@ class TapRecorder:
         unsubscribe(self.begin)
         unsubscribe(self.end)
         self._clear()
-        self.writer.close()
+        self.sink.close()
 
     def model_loaded(self, model: Any) -> None:
         config = getattr(model, "config", None)
@@ -106,7 +109,7 @@ class TapRecorder:
             self._clear()
             return
         try:
-            self.writer.write(self._record(step), step=step.step)
+            self.sink.submit(self._transfer(step), step.step)
             self.last_checkpoints = len(self.names)
             self.last_bytes = sum(s.used for s in self._staging.values())
         finally:
@@ -180,35 +183,27 @@ class TapRecorder:
 
     # -- records ---------------------------------------------------------------------
 
-    def _record(self, step: Step) -> dict[str, Any]:
+    def _transfer(self, step: Step) -> Any:
+        """Hash what was staged and bring it to the host (one transfer per device, one
+        device in practice); returns the function that formats the record from it."""
         by_device: dict[torch.device, list[str]] = {}
         for device, name in self.names:
             by_device.setdefault(device, []).append(name)
-        order = [name for _, name in self.names]
-        hashes: dict[str, list[str]] = {}
-        sampler: list[list[int]] = []
+        host: list[tuple[list[str], torch.Tensor, int]] = []
         for device, names in by_device.items():
-            flat = self._staging[device].hashes().flatten()
             extra = [p.flatten() for d, p in self.sampler if d == device]
-            host = torch.cat([flat, *extra]).cpu().tolist()  # the step's one transfer
-            k = len(self.rows)
-            for j, name in enumerate(names):
-                hashes[name] = [_hex(v) for v in host[j * k:(j + 1) * k]]
-            if extra:
-                sampler = [host[len(names) * k + r * 4:len(names) * k + r * 4 + 4]
-                           for r in range(k)]
-        for device, packed in self.sampler:
-            if device not in by_device:
-                sampler = packed.cpu().view(-1, 4).tolist()
-        return {"kind": "step", "mode": step.mode, "engine": step.engine,
-                "rows": self.rows, "checkpoints": order,
-                "hashes": [hashes[n] for n in order],
-                "sampled": step.sampled, "sampler": [_sampler_row(s) for s in sampler]}
+            flat = torch.cat([self._staging[device].hashes().flatten(), *extra]).cpu()
+            host.append((names, flat, len(extra)))
+        host += [([], p.cpu(), 1) for d, p in self.sampler if d not in by_device]
+        rows, order = self.rows, [name for _, name in self.names]
+        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": rows,
+                "checkpoints": order, "sampled": dict(step.sampled)}
+        return lambda: _format(head, host, len(rows))
 
     def _write_header(self, step: Step) -> None:
         self._header = True
         hooks = self.context.hooks
-        self.writer.write({
+        header = {
             "kind": "header", "format": FORMAT, "version": VERSION,
             "engine": step.engine, "engine_version": hooks.engine_version(),
             "world_size": self.context.world_size, "tp_size": self.context.world_size,
@@ -216,7 +211,23 @@ class TapRecorder:
             "options": self.options.model_dump(), "compiled": torch.compiler.is_compiling(),
             "cuda_graphs": capturing(), "eager": not capturing(),
             "torch": torch.__version__, "host": platform.node(),
-        }, step=-1)
+        }
+        self.sink.submit(lambda: header, -1)
+
+
+def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],
+            k: int) -> dict[str, Any]:
+    hashes: dict[str, list[str]] = {}
+    sampler: list[list[int]] = []
+    for names, flat, extra in host:
+        values = flat.tolist()
+        for j, name in enumerate(names):
+            hashes[name] = [_hex(v) for v in values[j * k:(j + 1) * k]]
+        if extra:
+            tail = values[len(names) * k:]
+            sampler = [tail[r * 4:r * 4 + 4] for r in range(k)]
+    return {**head, "hashes": [hashes[n] for n in head["checkpoints"]],
+            "sampler": [_sampler_row(s) for s in sampler]}
 
 
 def _sampler_row(packed: list[int]) -> dict[str, Any]:
