@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginetap.tap.continuity import Violation, check_continuity, check_metadata
+from enginetap.tap.crossrank import RankMismatch, compare_ranks
 from enginetap.tap.files import TapRun
 from enginetap.tap.pairs import PairFinding, SamplerFinding, find_pairs, layer_of, sampler_findings
 
@@ -45,6 +46,7 @@ class RankAnalysis:
 class Analysis:
     header: dict[str, Any]
     ranks: list[RankAnalysis]
+    cross_rank: list[RankMismatch] = field(default_factory=list)
 
 
 def _layers(run_rank: Any) -> list[str]:
@@ -62,7 +64,7 @@ def analyse(run: TapRun) -> Analysis:
                                   find_pairs(rank), check_continuity(rank),
                                   check_metadata(rank), sampler_findings(rank),
                                   _layers(rank), [s.step for s in rank.steps]))
-    return Analysis(run.header, ranks)
+    return Analysis(run.header, ranks, compare_ranks(run))
 
 
 def summary(analysis: Analysis) -> list[str]:
@@ -71,6 +73,12 @@ def summary(analysis: Analysis) -> list[str]:
     lines = [f"tap run: engine {h.get('engine')} ({h.get('engine_version')}), "
              f"{h.get('world_size')} rank(s), models "
              f"{', '.join(str(m.get('model_type')) for m in h.get('models', []))}"]
+    if len(analysis.ranks) > 1:
+        lines.append(f"cross-rank: {len(analysis.cross_rank)} replicated checkpoint(s) differ "
+                     "between ranks")
+        for m in analysis.cross_rank[:20]:
+            lines.append(f"  step {m.step} {m.checkpoint} request {m.key} position "
+                         f"{m.position}: rank(s) {m.ranks} differ from rank 0")
     for r in analysis.ranks:
         split = [p for p in r.pairs if p.split]
         lines.append(f"rank {r.rank}: {r.steps} steps, {r.rows} tapped rows, {len(r.pairs)} "
@@ -147,7 +155,10 @@ def _rank_html(r: RankAnalysis) -> str:
 def html_page(analysis: Analysis) -> str:
     """One self-contained HTML page (inline style and script, nothing fetched)."""
     lines = "".join(f"<li>{html.escape(line)}</li>" for line in summary(analysis))
-    body = "".join(_rank_html(r) for r in analysis.ranks)
+    body = "".join(_rank_html(r) for r in analysis.ranks) + _table(
+        "Cross-rank (replicated checkpoints that differ from rank 0)",
+        ["step", "checkpoint", "request", "position", "ranks"],
+        [[m.step, m.checkpoint, m.key, m.position, m.ranks] for m in analysis.cross_rank])
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>enginetap tap report"
             f"</title><style>{_STYLE}</style></head><body><h1>enginetap tap report</h1>"
             f"<p id='status'>static</p><ul>{lines}</ul>{body}<script>{_SCRIPT}</script>"
