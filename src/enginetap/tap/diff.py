@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginetap.tap.files import RankTap, StepRecord, TapError, TapRun
-from enginetap.tap.pairs import compared
+from enginetap.tap.compare import comparable, last_of_request
 
 __all__ = ["Divergence", "RunDiff", "diff_ranks", "diff_runs"]
 
@@ -82,12 +82,12 @@ def _refuse_prompts(rank_a: RankTap, rank_b: RankTap, key: tuple[str, int],
 
 def _first_difference(a: Located, b: Located) -> str | None:
     (sa, i), (sb, j) = a, b
-    position = sa.rows[i]["pos"]
+    both_last = i in last_of_request(sa.rows) and j in last_of_request(sb.rows)
     where = {name: c for c, name in enumerate(sb.checkpoints)}
     for c, name in enumerate(sa.checkpoints):
         other = where.get(name)
-        if other is not None and compared(name, position) \
-                and sa.hashes[c][i] != sb.hashes[other][j]:
+        if other is not None and sa.hashes[c][i] != sb.hashes[other][j] \
+                and comparable(name, sa.rows[i], sb.rows[j], both_last):
             return name
     return None
 

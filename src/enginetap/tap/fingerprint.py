@@ -125,6 +125,11 @@ class StepStaging:
         group.slots += 1
         return group.views[group.slots - 1]
 
+    def view_of(self, j: int) -> torch.Tensor:
+        """The ``j``-th slot staged this step (``[rows, width]``, the staged bytes)."""
+        key, slot = self.order[j]
+        return self._groups[key].views[slot]
+
     def stage(self, source: torch.Tensor, index: torch.Tensor | None) -> None:
         """Gather rows ``index`` of ``[n, width]`` ``source`` into a new slot (``index``
         None: ``source`` holds exactly the tapped rows)."""

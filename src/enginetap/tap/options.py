@@ -28,6 +28,11 @@ class TapOptions(BaseModel):
     step, the KV row written this step and the previous one re-read."""
     sampler: bool = True
     """Argmax, runner-up and top-1/top-2 logit gap per tapped request."""
+    vectors: Literal["off", "split", "window"] = "off"
+    """Also write the raw tapped rows (safetensors): at each pair's first split, or for
+    the steps of ``vector_steps``."""
+    vector_steps: list[int] = Field(default_factory=list, max_length=2)
+    """``[first, last]`` step (inclusive) whose rows ``vectors="window"`` writes."""
     force: bool = False
     """Record even under torch.compile tracing or CUDA-graph capture (where the hooks
     would be traced into the graph); refused by default."""

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+from enginetap.tap.compare import comparable, last_of_request
 from enginetap.tap.files import RankTap, StepRecord
 
-__all__ = ["PairFinding", "SamplerFinding", "compared", "find_pairs", "layer_of",
-           "sampler_findings"]
+__all__ = ["PairFinding", "SamplerFinding", "find_pairs", "layer_of", "sampler_findings"]
 
 
 @dataclass
@@ -50,34 +50,11 @@ def layer_of(checkpoint: str) -> str:
     return head if head[:1] == "L" and head[1:].isdigit() else "model"
 
 
-_PER_REQUEST = (".state_before", ".state_after", ".conv_before", ".conv_after")
-
-
-def compared(name: str, position: int) -> bool:
-    """Whether checkpoint ``name`` is comparable between same-prefix rows at ``position``
-    (the previous KV column of position 0 is padding, not the request's)."""
-    return not (position == 0 and name.split("#")[0].endswith(".kv_prev"))
-
-
-def _comparable(name: str, a: dict[str, Any], b: dict[str, Any], both_last: bool) -> bool:
-    if not compared(name, a["pos"]):
-        return False
-    if name.split("#")[0].endswith(_PER_REQUEST):
-        # a recurrent state covers every token of its request up to the step's end (after)
-        # or start (before): comparable only where both cover the same prefix
-        return both_last and a["computed_host"] == b["computed_host"]
-    return True
-
-
-def _last_of_request(step: StepRecord) -> set[int]:
-    return set({row["key"]: i for i, row in enumerate(step.rows)}.values())
-
-
 def _first_difference(step: StepRecord, i: int, j: int, last: set[int]) -> int | None:
     a, b = step.rows[i], step.rows[j]
     both_last = i in last and j in last
     for c, name in enumerate(step.checkpoints):
-        if step.hashes[c][i] != step.hashes[c][j] and _comparable(name, a, b, both_last):
+        if step.hashes[c][i] != step.hashes[c][j] and comparable(name, a, b, both_last):
             return c
     return None
 
@@ -104,7 +81,7 @@ def find_pairs(rank: RankTap) -> list[PairFinding]:
     found: dict[tuple[str, str], PairFinding] = {}
     for step in rank.steps:
         earliest: dict[tuple[str, str], tuple[int, int, int]] = {}
-        last = _last_of_request(step)
+        last = last_of_request(step.rows)
         for group in _groups(step):
             for i, j in combinations(group, 2):
                 a, b = step.rows[i]["key"], step.rows[j]["key"]

@@ -24,6 +24,7 @@ from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
 from enginetap.tap.rows import PrefixTracker, row_records, select_rows
 from enginetap.tap.sink import RecordSink
+from enginetap.tap.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
 
@@ -45,6 +46,8 @@ class TapRecorder:
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
         self.sink = RecordSink(self.writer, background=torch.cuda.is_available())
+        self.vectors = None if options.vectors == "off" else VectorDump(
+            context.out_dir, context.rank, options.vectors, options.vector_steps)
         self.filters = [options.request_filter, context.config.request_filter]
         self.prefixes = PrefixTracker()
         self.models: list[dict[str, Any]] = []
@@ -194,6 +197,9 @@ class TapRecorder:
             extra = [p.flatten() for d, p in self.sampler if d == device]
             flat = torch.cat([self._staging[device].hashes().flatten(), *extra]).cpu()
             host.append((names, flat, len(extra)))
+            if self.vectors is not None:
+                self.vectors.maybe_dump(step.step, self.rows, names, self._staging[device],
+                                        flat[:len(names) * len(self.rows)])
         host += [([], p.cpu(), 1) for d, p in self.sampler if d not in by_device]
         rows, order = self.rows, [name for _, name in self.names]
         head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": rows,
