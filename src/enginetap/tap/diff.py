@@ -19,7 +19,8 @@ from enginetap.tap.compare import comparable, last_of_request
 
 __all__ = ["Divergence", "RunDiff", "diff_ranks", "diff_runs"]
 
-Located = tuple[StepRecord, int]
+Located = tuple[StepRecord, int, bool]
+"""A row: its step, its index there, whether it is its request's last row there."""
 
 
 @dataclass
@@ -68,8 +69,9 @@ class RunDiff:
 def _index(rank: RankTap) -> dict[tuple[str, int], Located]:
     rows: dict[tuple[str, int], Located] = {}
     for step in rank.steps:
+        last = last_of_request(step.rows)
         for i, row in enumerate(step.rows):
-            rows.setdefault((row["key"], row["pos"]), (step, i))
+            rows.setdefault((row["key"], row["pos"]), (step, i, i in last))
     return rows
 
 
@@ -81,8 +83,8 @@ def _refuse_prompts(rank_a: RankTap, rank_b: RankTap, key: tuple[str, int],
 
 
 def _first_difference(a: Located, b: Located) -> str | None:
-    (sa, i), (sb, j) = a, b
-    both_last = i in last_of_request(sa.rows) and j in last_of_request(sb.rows)
+    (sa, i, last_a), (sb, j, last_b) = a, b
+    both_last = last_a and last_b
     where = {name: c for c, name in enumerate(sb.checkpoints)}
     for c, name in enumerate(sa.checkpoints):
         other = where.get(name)
