@@ -96,3 +96,13 @@ def test_report_names_a_split_in_text_and_html(record: Recorder) -> None:
     for pair in analysis.ranks[0].pairs:
         if pair.split:
             assert any(pair.checkpoint in line for line in lines)
+
+
+def test_the_request_filter_and_row_cap_narrow_the_tapped_rows(record: Recorder) -> None:
+    _, run = record("llama", requests(PROMPTS), request_filter="r3", max_rows=2)
+    steps = run.rank(0).steps
+    assert steps and all({r["key"] for r in s.rows} == {"r3"} for s in steps)
+    prompt_length = steps[1].rows[0]["pos"]  # the first decode row follows the prompt
+    assert [r["pos"] for r in steps[0].rows] == [prompt_length - 2, prompt_length - 1]
+    assert all(len(s.rows) == 1 for s in steps[1:])
+    assert run.header["options"]["request_filter"] == "r3"
