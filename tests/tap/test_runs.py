@@ -68,8 +68,11 @@ def test_batch_1_vs_8_runs_end_to_end(tmp_path: Path) -> None:
                                 "builtin:pairs", "--batch-size", str(batch), "--max-new-tokens",
                                 "4", "--out", str(tmp_path / f"b{batch}")])
         assert done.exit_code == 0, done.output
-    done = cli.invoke(app, ["tap", "diff", str(tmp_path / "b1"), str(tmp_path / "b8")])
+    diff_html = tmp_path / "diff.html"
+    done = cli.invoke(app, ["tap", "diff", str(tmp_path / "b1"), str(tmp_path / "b8"),
+                            "--html", str(diff_html)])
     assert done.exit_code in (0, 1), done.output
+    assert "Where rows first diverge" in diff_html.read_text()
     assert "aligned rows compared" in done.output
     a, b = load_run(tmp_path / "b1"), load_run(tmp_path / "b8")
     (result,) = diff_runs(a, b)

@@ -72,17 +72,21 @@ def diff(
     run_a: Annotated[Path, typer.Argument(help="Tap run A.")],
     run_b: Annotated[Path, typer.Argument(help="Tap run B (same prompts).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the diff as JSON.")] = False,
+    html: Annotated[Path | None, typer.Option(help="Write one self-contained HTML page.")] = None,
 ) -> None:
     """First diverging (step, layer, sublayer) per request and overall; exit 1 if any."""
     from enginetap.tap.diff import diff_runs
     from enginetap.tap.files import load_run
+    from enginetap.tap.report import diff_page
 
-    diffs = diff_runs(load_run(run_a), load_run(run_b))
-    if as_json:
-        typer.echo(json.dumps([d.to_json() for d in diffs], indent=1))
-    else:
-        for d in diffs:
-            typer.echo(_describe(d))
+    first = load_run(run_a)
+    diffs = diff_runs(first, load_run(run_b))
+    lines = [_describe(d) for d in diffs]
+    typer.echo(json.dumps([d.to_json() for d in diffs], indent=1) if as_json
+               else "\n".join(lines))
+    if html is not None:
+        html.write_text(diff_page(diffs, first, "\n".join(lines).splitlines()), encoding="utf-8")
+        typer.echo(f"wrote {html}")
     raise typer.Exit(1 if any(d.diverged for d in diffs) else 0)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from enginetap.tap.files import RankTap, StepRecord, TapError, TapRun
+from enginetap.tap.pairs import layer_of
 from enginetap.tap.compare import comparable, last_of_request
 
 __all__ = ["Divergence", "RunDiff", "diff_ranks", "diff_runs"]
@@ -49,6 +50,8 @@ class RunDiff:
     first_token_split: dict[str, int] = field(default_factory=dict)
     """Per request: the first position whose token prefix differs between the runs."""
     by_checkpoint: Counter = field(default_factory=Counter)
+    cells: Counter = field(default_factory=Counter)
+    """(layer, step in run A) → aligned rows whose first divergence is there."""
     first: Divergence | None = None
 
     @property
@@ -116,6 +119,7 @@ def diff_ranks(rank_a: RankTap, rank_b: RankTap, rank: int = 0) -> RunDiff:
         found = Divergence(key[0], key[1], a[0].step, b[0].step, name)
         result.rows_diverged += 1
         result.by_checkpoint[name] += 1
+        result.cells[(layer_of(name), a[0].step)] += 1
         result.per_request.setdefault(key[0], found)
         order = (found.step_a, a[0].checkpoints.index(name))
         if best is None or order < best:

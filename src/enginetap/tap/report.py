@@ -15,10 +15,11 @@ from typing import Any
 
 from enginetap.tap.continuity import Violation, check_continuity, check_metadata
 from enginetap.tap.crossrank import RankMismatch, compare_ranks
+from enginetap.tap.diff import RunDiff
 from enginetap.tap.files import TapRun
 from enginetap.tap.pairs import PairFinding, SamplerFinding, find_pairs, layer_of, sampler_findings
 
-__all__ = ["Analysis", "analyse", "html_page", "summary"]
+__all__ = ["Analysis", "analyse", "diff_page", "html_page", "summary"]
 
 
 @dataclass
@@ -117,19 +118,20 @@ def _table(title: str, head: list[str], rows: list[list[Any]]) -> str:
     return f"<h3>{html.escape(title)}</h3><table><tr>{header}</tr>{cells}</table>"
 
 
-def _grid(r: RankAnalysis) -> str:
-    cells = r.grid()
-    head = "".join(f"<th>{s}</th>" for s in r.step_numbers)
+def _grid(title: str, layers: list[str], steps: list[int], cells: Counter,
+          what: str) -> str:
+    """A layer x step table; a cell counts the ``what`` first diverging there."""
+    head = "".join(f"<th>{s}</th>" for s in steps)
     body = []
-    for layer in r.layers:
+    for layer in layers:
         row = []
-        for step in r.step_numbers:
+        for step in steps:
             n = cells.get((layer, step), 0)
-            title = html.escape(f"{layer} step {step}: {n} pair(s) split here", quote=True)
-            row.append(f"<td class='{'hot' if n else 'c0'}' title='{title}'>{n or ''}</td>")
+            tip = html.escape(f"{layer} step {step}: {n} {what}", quote=True)
+            row.append(f"<td class='{'hot' if n else 'c0'}' title='{tip}'>{n or ''}</td>")
         body.append(f"<tr><th>{html.escape(layer)}</th>{''.join(row)}</tr>")
-    return (f"<h3>Where pairs split (layer x step)</h3><table><tr><th>layer \\ step</th>"
-            f"{head}</tr>{''.join(body)}</table>")
+    return (f"<h3>{html.escape(title)}</h3><table><tr><th>layer \\ step</th>{head}</tr>"
+            f"{''.join(body)}</table>")
 
 
 def _rank_html(r: RankAnalysis) -> str:
@@ -140,7 +142,9 @@ def _rank_html(r: RankAnalysis) -> str:
     metadata = [[v.step, v.key, v.position, v.detail] for v in r.metadata]
     sampler = [[s.step, s.keys[0], s.tokens[0], f"{s.gaps[0]:.4g}", s.keys[1], s.tokens[1],
                 f"{s.gaps[1]:.4g}", s.kind] for s in r.sampler]
-    return (f"<h2>Rank {r.rank}: {r.steps} steps, {r.rows} tapped rows</h2>{_grid(r)}"
+    grid = _grid("Where pairs split (layer x step)", r.layers, r.step_numbers, r.grid(),
+                 "pair(s) split here")
+    return (f"<h2>Rank {r.rank}: {r.steps} steps, {r.rows} tapped rows</h2>{grid}"
             + _table("Same-prefix pairs", ["request A", "request B", "rows compared",
                                            "first split step", "position", "culprit",
                                            "agreeing input", "steps split"], pairs)
@@ -159,7 +163,26 @@ def html_page(analysis: Analysis) -> str:
         "Cross-rank (replicated checkpoints that differ from rank 0)",
         ["step", "checkpoint", "request", "position", "ranks"],
         [[m.step, m.checkpoint, m.key, m.position, m.ranks] for m in analysis.cross_rank])
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>enginetap tap report"
-            f"</title><style>{_STYLE}</style></head><body><h1>enginetap tap report</h1>"
-            f"<p id='status'>static</p><ul>{lines}</ul>{body}<script>{_SCRIPT}</script>"
-            f"</body></html>")
+    return _page("enginetap tap report", f"<ul>{lines}</ul>{body}")
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+            f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+            f"<p id='status'>static</p>{body}<script>{_SCRIPT}</script></body></html>")
+
+
+def diff_page(diffs: list[RunDiff], run_a: TapRun, lines: list[str]) -> str:
+    """The diff of two runs as one page: per rank a layer x step (run A's steps) picture
+    of where aligned rows first diverge, and the first divergence of every request."""
+    parts = [f"<ul>{''.join(f'<li>{html.escape(x)}</li>' for x in lines)}</ul>"]
+    for d in diffs:
+        rank = run_a.ranks[d.rank]
+        parts.append(f"<h2>Rank {d.rank}</h2>" + _grid(
+            "Where rows first diverge (layer x step of run A)", _layers(rank),
+            [s.step for s in rank.steps], d.cells, "row(s) first diverge here"))
+        parts.append(_table("First divergence per request", ["request", "position",
+                                                             "step A", "step B", "checkpoint"],
+                            [[f.key, f.position, f.step_a, f.step_b, f.checkpoint]
+                             for _, f in sorted(d.per_request.items())]))
+    return _page("enginetap tap diff", "".join(parts))

@@ -4,8 +4,9 @@ At step end the recorder only brings the hashes to the host (the step's one tran
 turning them into a JSON record and writing it happens on one background thread, in
 submission order, through the per-rank writer. That pays where the host would otherwise
 wait for the device (a GPU running the next step's kernels); on a CPU engine the thread
-would only contend for the GIL and the cores, so there records are written inline. :meth:`RecordSink.drain` waits for
-everything submitted (disarm, tests); at interpreter exit the sink drains itself.
+would only contend for the GIL and the cores, so there records are written inline.
+:meth:`RecordSink.drain` waits for everything submitted (disarm, tests); at interpreter
+exit the sink drains itself.
 """
 
 from __future__ import annotations
