@@ -88,3 +88,17 @@ def test_the_background_sink_writes_in_order_and_drains(tmp_path) -> None:
     lines = (tmp_path / "t-rank0.jsonl").read_text().splitlines()
     assert [int(line.split('"i":')[1].rstrip("}")) for line in lines] == list(range(50))
     sink.close()
+
+
+def test_per_request_slots_give_each_row_its_requests_hash() -> None:
+    staging = StepStaging(3, torch.device("cpu"))
+    staging.reset(3, inverse=torch.tensor([0, 0, 1]))  # rows 0, 1 of request 0; row 2 of 1
+    rows = torch.randn(3, 4)
+    states = torch.randn(2, 4, 4)
+    staging.stage(rows, torch.arange(3))
+    staging.stage_per_request(states.view(2, -1))
+    hashes = staging.hashes()
+    per_request = hash_rows(states.view(2, -1))
+    assert torch.equal(hashes[0], hash_rows(rows))
+    assert hashes[1].tolist() == [per_request[0], per_request[0], per_request[1]]
+    assert torch.equal(staging.view_of(1), states.view(2, -1)[[0, 0, 1]])

@@ -95,12 +95,15 @@ class StepStaging:
     rows: int
     device: torch.device
     order: list[tuple[tuple[Any, ...], int]] = field(default_factory=list)
+    inverse: torch.Tensor | None = None
     """(group key, slot) of every staged checkpoint, in staging order."""
     _groups: dict[tuple[Any, ...], _Group] = field(default_factory=dict)
     _weights: torch.Tensor | None = None
 
-    def reset(self, rows: int) -> None:
-        self.rows, self.order = rows, []
+    def reset(self, rows: int, inverse: torch.Tensor | None = None) -> None:
+        """Start a step of ``rows`` tapped rows; ``inverse`` maps each row to its
+        request's slot row in per-request slots (see :meth:`stage_per_request`)."""
+        self.rows, self.order, self.inverse = rows, [], inverse
         for group in self._groups.values():
             group.slots = 0
 
@@ -110,12 +113,13 @@ class StepStaging:
         return sum(g.slots * g.buffer[0].numel() * g.buffer.element_size()
                    for g in self._groups.values())
 
-    def slot(self, dtype: torch.dtype, width: int) -> torch.Tensor:
-        """The next free ``[rows, width]`` slot of ``dtype``."""
-        key = (dtype, width, self.rows)
+    def slot(self, dtype: torch.dtype, width: int, rows: int | None = None) -> torch.Tensor:
+        """The next free ``[rows, width]`` slot of ``dtype`` (``rows`` given: a
+        per-request slot of that many requests)."""
+        key = (dtype, width, self.rows if rows is None else rows, rows is not None)
         group = self._groups.get(key)
         if group is None or group.slots == len(group.views):
-            grown = _Group.new(max(8, 2 * (len(group.views) if group else 0)), self.rows,
+            grown = _Group.new(max(8, 2 * (len(group.views) if group else 0)), key[2],
                                width, dtype, self.device)
             if group is not None:
                 grown.buffer[:group.slots].copy_(group.buffer[:group.slots])
@@ -128,7 +132,9 @@ class StepStaging:
     def view_of(self, j: int) -> torch.Tensor:
         """The ``j``-th slot staged this step (``[rows, width]``, the staged bytes)."""
         key, slot = self.order[j]
-        return self._groups[key].views[slot]
+        view = self._groups[key].views[slot]
+        return view.index_select(0, self.inverse) if key[3] and self.inverse is not None \
+            else view
 
     def stage(self, source: torch.Tensor, index: torch.Tensor | None) -> None:
         """Gather rows ``index`` of ``[n, width]`` ``source`` into a new slot (``index``
@@ -139,6 +145,11 @@ class StepStaging:
         else:
             torch.index_select(source, 0, index, out=slot)
 
+    def stage_per_request(self, source: torch.Tensor) -> None:
+        """Stage ``[requests, width]`` ``source``: one row per request of the tapped rows
+        (state a request carries, hashed once however many of its rows are tapped)."""
+        self.slot(source.dtype, source.shape[1], rows=source.shape[0]).copy_(source)
+
     def hashes(self) -> torch.Tensor:
         """``[slots, rows]`` int64 hashes of everything staged this step (on device), in
         staging order; a few kernels per group."""
@@ -148,7 +159,11 @@ class StepStaging:
         for key, group in self._groups.items():
             if group.slots:
                 base[key], offset = offset, offset + group.slots
-                parts.append(self._hash_group(group))
+                hashed = self._hash_group(group)
+                if key[3]:  # per request: each tapped row takes its request's hash
+                    assert self.inverse is not None, "per-request slots need reset(inverse=)"
+                    hashed = hashed.index_select(1, self.inverse)
+                parts.append(hashed)
         if len(parts) == 1:
             return parts[0]
         order = torch.tensor([base[key] + slot for key, slot in self.order], device=self.device)

@@ -144,11 +144,13 @@ def _state_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
             or hidden.dim() < 3 or layer_idx >= len(layers):
         return
     layer = layers[layer_idx]
-    batch, _, _ = _batch_rows(recorder, hidden)
+    # one state per request, however many of its rows are tapped (a prefill's)
+    batch = recorder.request_index(hidden.device) // int(hidden.shape[1])
     for label, states in (("state", "recurrent_states"), ("conv", "conv_states")):
         state = (getattr(layer, states, None) or {}).get(0)
         if isinstance(state, torch.Tensor) and state.shape[0] == hidden.shape[0]:
-            recorder.checkpoint_rows(f"{name}.{label}_{when}", state.index_select(0, batch))
+            recorder.checkpoint_requests(f"{name}.{label}_{when}",
+                                         state.index_select(0, batch))
 
 
 def logits_wrapper(recorder: TapRecorder):

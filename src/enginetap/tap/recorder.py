@@ -68,7 +68,9 @@ class TapRecorder:
         self.names: list[tuple[torch.device, str]] = []
         self.counts: dict[str, int] = {}
         self.sampler: list[tuple[torch.device, torch.Tensor]] = []
-        self._index: dict[torch.device, torch.Tensor] = {}
+        self.request_of_row: list[int] = []
+        self.request_token_index: list[int] = []
+        self._index: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -104,8 +106,12 @@ class TapRecorder:
         self.step = step
         self.rows = row_records(step, picked, prefixes)
         self.token_index = [r["token_index"] for r in self.rows]
-        for staging in self._staging.values():
-            staging.reset(len(picked))
+        last = {r["key"]: i for i, r in enumerate(self.rows)}
+        order = {key: n for n, key in enumerate(last)}
+        self.request_of_row = [order[r["key"]] for r in self.rows]
+        self.request_token_index = [self.token_index[i] for i in last.values()]
+        for device, staging in self._staging.items():
+            staging.reset(len(picked), self._device_list("inverse", device))
 
     def end(self, step: Step) -> None:
         if self.step is not step:
@@ -122,10 +128,19 @@ class TapRecorder:
 
     def index(self, device: torch.device) -> torch.Tensor:
         """The tapped rows' token indices on ``device`` (built once per step)."""
-        found = self._index.get(device)
+        return self._device_list("rows", device)
+
+    def request_index(self, device: torch.device) -> torch.Tensor:
+        """Token index of each tapped request's last tapped row (one per request)."""
+        return self._device_list("requests", device)
+
+    def _device_list(self, what: str, device: torch.device) -> torch.Tensor:
+        found = self._index.get((what, device))
         if found is None:
-            found = torch.tensor(self.token_index, dtype=torch.int64).to(device, non_blocking=True)
-            self._index[device] = found
+            values = {"rows": self.token_index, "requests": self.request_token_index,
+                      "inverse": self.request_of_row}[what]
+            found = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+            self._index[(what, device)] = found
         return found
 
     def allowed(self, name: str) -> bool:
@@ -165,6 +180,17 @@ class TapRecorder:
         self._staging_for(source.device).stage(source, None)
         self.names.append((source.device, self._unique(name)))
 
+    def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
+        """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
+        ``name``; every tapped row of a request gets its request's hash."""
+        if self.step is None or not self.allowed(name):
+            return
+        source = rows.detach().reshape(len(self.request_token_index), -1)
+        if source.dtype == torch.bool:
+            source = source.view(torch.uint8)
+        self._staging_for(source.device).stage_per_request(source)
+        self.names.append((source.device, self._unique(name)))
+
     def note_logits(self, logits: torch.Tensor) -> None:
         """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
         if self.step is None or not self.options.sampler or not self.allowed("sampler"):
@@ -182,6 +208,7 @@ class TapRecorder:
         staging = self._staging.get(device)
         if staging is None:
             staging = self._staging[device] = StepStaging(len(self.rows), device)
+            staging.reset(len(self.rows), self._device_list("inverse", device))
         return staging
 
     # -- records ---------------------------------------------------------------------
