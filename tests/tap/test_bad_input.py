@@ -65,3 +65,16 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert f"{tmp_path / 'tap-rank0.jsonl'}:2: not a JSON line" in done.stderr.replace("\n", "")
+
+
+def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
+    from enginetap.errors import ConfigError
+    from enginetap.tap.run import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "one"}\n{"text": "two"}\n')
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2: not a prompt line"):
+        load_prompts(str(path))
+    with pytest.raises(ConfigError, match="unknown built-in prompt set 'nope'"):
+        load_prompts("builtin:nope")
+    assert load_prompts("builtin:pairs").count("the cache holds every key") == 3
