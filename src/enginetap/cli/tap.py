@@ -56,10 +56,12 @@ def report(
 
     analysis = analyse(load_run(run_dir))
     if as_json:
-        typer.echo(json.dumps([{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
-                                "continuity": [v.to_json() for v in r.continuity],
-                                "metadata": [v.to_json() for v in r.metadata]}
-                               for r in analysis.ranks], indent=1))
+        typer.echo(json.dumps({
+            "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
+                       "continuity": [v.to_json() for v in r.continuity],
+                       "metadata": [v.to_json() for v in r.metadata],
+                       "sampler": [vars(f) for f in r.sampler]} for r in analysis.ranks],
+            "cross_rank": [m.to_json() for m in analysis.cross_rank]}, indent=1))
     else:
         typer.echo("\n".join(summary(analysis)))
     if html is not None:
