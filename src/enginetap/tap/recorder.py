@@ -63,6 +63,7 @@ class TapRecorder:
 
     def _clear(self) -> None:
         self.step: Step | None = None
+        self.padded = 0
         self.rows: list[dict[str, Any]] = []
         self.token_index: list[int] = []
         self.names: list[tuple[torch.device, str]] = []
@@ -104,6 +105,7 @@ class TapRecorder:
         if not picked:
             return
         self.step = step
+        self.padded = step.padded_tokens or len(step.rows)
         self.rows = row_records(step, picked, prefixes)
         self.token_index = [r["token_index"] for r in self.rows]
         last = {r["key"]: i for i, r in enumerate(self.rows)}
@@ -160,15 +162,17 @@ class TapRecorder:
     def checkpoint(self, name: str, tensor: Any) -> None:
         """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
         forward) under ``name``; tensors of another layout are skipped."""
-        step = self.step
-        if step is None or not isinstance(tensor, torch.Tensor):
+        if self.step is None or not isinstance(tensor, torch.Tensor):
             return
-        source = token_rows(tensor.detach(), step.padded_tokens or len(step.rows))
+        if tensor.requires_grad:  # only outside inference mode; a view costs little
+            tensor = tensor.detach()
+        source = token_rows(tensor, self.padded)
         if source is None or not self.allowed(name):
             return
         device = source.device
         self._staging_for(device).stage(source, self.index(device))
-        self.names.append((device, self._unique(name)))
+        self.names.append((device, name if name not in self.counts else self._unique(name)))
+        self.counts.setdefault(name, 1)
 
     def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
@@ -200,6 +204,7 @@ class TapRecorder:
         self.sampler.append((packed.device, packed))
 
     def _unique(self, name: str) -> str:
+        """``name``, or ``name#2``, ``name#3``... for a module run again in one step."""
         seen = self.counts.get(name, 0) + 1
         self.counts[name] = seen
         return name if seen == 1 else f"{name}#{seen}"
