@@ -98,8 +98,8 @@ def _describe(d) -> str:
              f"{d.only_a} only in A, {d.only_b} only in B"]
     if d.first is not None:
         f = d.first
-        lines.append(f"  first divergence: step {f.step_a} (B: {f.step_b}) {f.checkpoint} "
-                     f"request {f.key} position {f.position}")
+        lines.append(f"  first divergence: step {f.step_a} (B: {f.step_b}) layer {f.layer} "
+                     f"sublayer {f.sublayer} request {f.key} position {f.position}")
     for key, f in sorted(d.per_request.items()):
         lines.append(f"  {key}: position {f.position} step {f.step_a} {f.checkpoint}")
     for key, pos in sorted(d.first_token_split.items()):

@@ -32,9 +32,20 @@ class Divergence:
     step_b: int
     checkpoint: str
 
+    @property
+    def layer(self) -> str:
+        return layer_of(self.checkpoint)
+
+    @property
+    def sublayer(self) -> str:
+        """The checkpoint within its layer (``attn.out`` of ``L3.attn.out``)."""
+        layer = self.layer
+        return self.checkpoint[len(layer) + 1:] if layer != "model" else self.checkpoint
+
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "position": self.position, "step_a": self.step_a,
-                "step_b": self.step_b, "checkpoint": self.checkpoint}
+                "step_b": self.step_b, "layer": self.layer, "sublayer": self.sublayer,
+                "checkpoint": self.checkpoint}
 
 
 @dataclass
