@@ -12,6 +12,7 @@ from enginetap.core.capability import Capability, CapabilityRegistry
 from enginetap.core.scope import SCOPE_CAPABILITY
 from enginetap.capture.options import CaptureOptions
 from enginetap.guard.options import GuardOptions
+from enginetap.tap.options import TapOptions
 
 __all__ = ["REGISTRY", "arm"]
 
@@ -22,7 +23,11 @@ CAPTURE = Capability("capture", CaptureOptions, "enginetap.capture.arming:instal
                      "operator workloads into a FlashInfer-Trace dataset",
                      needs=("step", "scope"))
 
-REGISTRY = CapabilityRegistry([STEP, SCOPE_CAPABILITY, GUARD, CAPTURE])
+TAP = Capability("tap", TapOptions, "enginetap.tap.arming:install",
+                 "per-step fingerprints of tapped rows at every sublayer",
+                 needs=("step", "scope"))
+
+REGISTRY = CapabilityRegistry([STEP, SCOPE_CAPABILITY, GUARD, CAPTURE, TAP])
 
 
 def arm(config, hooks=None, rank: int = 0, world_size: int = 1):

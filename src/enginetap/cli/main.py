@@ -7,8 +7,8 @@ import sys
 import typer
 from rich.console import Console
 
-from enginetap.cli import (capture, dataset, definitions, demo, guard, models, replay, traffic,
-                           vllm)
+from enginetap.cli import (capture, dataset, definitions, demo, guard, models, replay, tap,
+                           traffic, vllm)
 from enginetap.errors import EnginetapError
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app.add_typer(replay.app, name="replay")
 app.add_typer(guard.app, name="guard")
 app.add_typer(vllm.app, name="vllm")
 app.add_typer(traffic.app, name="traffic")
+app.add_typer(tap.app, name="tap")
 app.command("demo")(demo.demo)
 app.command("capture")(capture.capture)
 

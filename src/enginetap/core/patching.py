@@ -189,6 +189,10 @@ class _TrackedCall:
         return self.result
 
     def __getattr__(self, name: str) -> Any:
+        # Only reached for names not found normally; an unset slot (a tracer probing the
+        # object before __init__ ran) must not recurse through self._wrapped.
+        if name in _TrackedCall.__slots__:
+            raise AttributeError(name)
         return getattr(self._wrapped, name)
 
 

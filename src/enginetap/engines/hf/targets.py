@@ -16,7 +16,7 @@ from enginetap.core.scope import sublayer_targets as _resolve
 __all__ = ["SUBLAYERS", "SUBLAYER_SUFFIXES", "sublayer_targets"]
 
 SUBLAYER_SUFFIXES = ("DecoderLayer", "Attention", "RMSNorm", "MoE", "SparseMoeBlock",
-                     "GatedDeltaNet", "Experts", "TopkRouter", "Indexer", "MLP")
+                     "GatedDeltaNet", "Experts", "TopkRouter", "TopKRouter", "Indexer", "MLP")
 SUBLAYERS = SublayerSpec(suffixes=SUBLAYER_SUFFIXES)
 
 

@@ -1,0 +1,252 @@
+"""Step-time cost of the tap: disarmed vs tap armed vs the seed-002 approach, one process.
+
+    PYTHONPATH=src python bench/bench_tap.py [--model builtin:llama] [--batch 8]
+    PYTHONPATH=src python bench/bench_tap.py --device cuda --hidden 5120 --layers 48 \
+        --batch 64 --context 512        # random weights of real width, built on device
+
+A decode loop over a transformers model publishes one step per forward (as the built-in
+engine does). Variants, interleaved round by round so that machine noise hits all alike:
+
+- ``disarmed``: nothing installed;
+- ``tap``: the tap capability, fingerprints only (no continuity or sampler points), so it
+  records exactly the checkpoints the seed approach records;
+- ``tap+points``: the tap as armed by default (KV/state continuity and sampler too);
+- ``seed-002``: per checkpoint copy the tapped rows, weighted int64 row sums, keep the
+  result; at step end stack and one transfer (the approach of seed 002, written here).
+
+Prints per variant the median decode-step time, its ratio to disarmed, the overhead, the
+seed/tap overhead ratio, checkpoints per step and bytes hashed per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from enginetap.core.context import Step, StepRows, publish, subscribe, unsubscribe
+from enginetap.core.jsonl import close_all
+from enginetap.core.patching import PatchSet
+from enginetap.core.scope import sublayer_targets
+from enginetap.engines.hf.targets import SUBLAYERS
+from enginetap.tap.fingerprint import word_weights
+
+
+def build(args: argparse.Namespace) -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dtype = getattr(torch, args.dtype)
+    if args.hidden:
+        config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 27 // 10,
+                             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
+                             num_key_value_heads=8, vocab_size=32000,
+                             max_position_embeddings=4096)
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
+    from enginetap.models import build_model
+
+    path = build_model(args.model.partition(":")[2])
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+
+
+class Loop:
+    """Prefill once, then decode steps published like the built-in engine's."""
+
+    def __init__(self, model: Any, batch: int, context: int, device: str) -> None:
+        self.model, self.batch, self.device = model, batch, device
+        vocab = model.config.vocab_size
+        ids = torch.randint(3, vocab, (batch, context), device=device)
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        self.cache, self.length, self.step = out.past_key_values, context, 0
+        self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(self) -> float:
+        b = self.batch
+        rows = StepRows([f"q{i}" for i in range(b)], [self.length] * b, [0] * b, list(range(b)),
+                        [self.length] * b, kv_slots=list(range(b)), token_index=list(range(b)))
+        step = Step("bench", self.step, "decode", rows, padded_tokens=b)
+        sync()
+        start = CLOCK()
+        with torch.inference_mode(), publish(step):
+            out = self.model(input_ids=self.next, past_key_values=self.cache, use_cache=True,
+                             position_ids=torch.full((b, 1), self.length, device=self.device),
+                             logits_to_keep=1)
+            self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+            step.sampled = {f"q{i}": 0 for i in range(b)}
+        sync()
+        self.length, self.step = self.length + 1, self.step + 1
+        return CLOCK() - start
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class SeedStyle:
+    """The seed-002 approach on the same checkpoints: per checkpoint, copy the rows, int64
+    weighted row sums, keep; at step end stack and one transfer."""
+
+    def __init__(self, model: Any, rows: int) -> None:
+        self.rows, self.hashes, self.index = rows, [], None
+        self.patches = PatchSet("bench-seed")
+        for target in sublayer_targets(model, SUBLAYERS):
+            self.patches.add(target, self.wrap)
+        self.checkpoints = 0
+
+    def begin(self, step: Step) -> None:
+        self.hashes = []
+        self.padded = step.padded_tokens or len(step.rows)
+        self.index = torch.tensor(step.rows.token_index[-self.rows:], device=DEVICE)
+
+    def end(self, step: Step) -> None:
+        if self.hashes:
+            torch.stack(self.hashes).cpu()
+        self.checkpoints = len(self.hashes)
+
+    def hash(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.numel() % self.padded:
+            return
+        rows = t.reshape(self.padded, -1).index_select(0, self.index).contiguous()
+        words = rows.view(torch.int32) if rows.shape[1] * rows.element_size() % 4 == 0 \
+            else rows.view(torch.uint8)
+        weights = word_weights(words.shape[1], words.device) if words.shape[1] not in WEIGHTS \
+            else WEIGHTS[words.shape[1]]
+        WEIGHTS[words.shape[1]] = weights
+        self.hashes.append((words.to(torch.int64) * weights).sum(dim=1))
+
+    def wrap(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if self.index is None:
+            return wrapped(*args, **kwargs)
+        if type(instance).__name__.endswith("DecoderLayer"):
+            self.hash(args[0] if args else kwargs.get("hidden_states"))
+        out = wrapped(*args, **kwargs)
+        for t in (out if isinstance(out, tuple) else (out,)):
+            self.hash(t)
+        return out
+
+    def install(self) -> None:
+        self.patches.install()
+        subscribe(on_begin=self.begin, on_end=self.end)
+
+    def uninstall(self) -> None:
+        unsubscribe(self.begin)
+        unsubscribe(self.end)
+        self.patches.uninstall()
+        self.index = None
+
+
+WEIGHTS: dict[int, torch.Tensor] = {}
+DEVICE = "cpu"
+CLOCK = time.perf_counter
+"""Wall time on a GPU; on a CPU the thread's own CPU time (one intra-op thread), which
+other processes on a shared machine do not inflate."""
+
+
+class TapVariant:
+    def __init__(self, model: Any, out: Path, options: dict[str, Any]) -> None:
+        self.model, self.out, self.options, self.arming = model, out, options, None
+
+    def install(self) -> None:
+        from enginetap.capabilities import arm
+        from enginetap.config import ArmConfig
+        from enginetap.engines.hf.arming import HFHooks
+
+        config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=self.out,
+                           options={"tap": self.options, "step": {"record": False}})
+        self.arming = arm(config, HFHooks())
+        self.arming.hooks.model_loaded(self.model)
+
+    @property
+    def recorder(self) -> Any:
+        return self.arming.context.notes["tap"]
+
+    def uninstall(self) -> None:
+        self.last = (self.recorder.last_checkpoints, self.recorder.last_bytes)
+        self.arming.uninstall()
+        close_all()
+
+
+class Nothing:
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+
+def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
+    return {"disarmed": Nothing(),
+            "tap": TapVariant(model, out / "tap", {"max_rows": rows, "continuity": False,
+                                                   "sampler": False}),
+            "tap+points": TapVariant(model, out / "full", {"max_rows": rows}),
+            "seed-002": SeedStyle(model, rows)}
+
+
+def main() -> None:
+    global DEVICE, CLOCK
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="builtin:llama")
+    parser.add_argument("--hidden", type=int, default=0, help="random Llama of this width")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="decode steps per variant per round")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    DEVICE = args.device
+    if args.device == "cpu" and args.threads == 1:
+        CLOCK = time.thread_time
+    model = build(args)
+    loop = Loop(model, args.batch, args.context, args.device)
+    out = Path(tempfile.mkdtemp(prefix="bench-tap-"))
+    variants = make_variants(model, out, args.rows)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, variant in variants.items():
+            variant.install()
+            try:
+                loop.decode()  # warm: first step of a variant (allocations, layouts)
+                times[name] += [loop.decode() for _ in range(args.steps)]
+            finally:
+                variant.uninstall()
+    report(args, times, variants)
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]], variants: dict) -> None:
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    low = {name: min(t) * 1e3 for name, t in times.items()}
+    base = median["disarmed"]
+    model = f"llama hidden {args.hidden} x {args.layers}" if args.hidden else args.model
+    print(f"device {args.device}, model {model}, "
+          f"batch {args.batch}, context {args.context}, rows {args.rows}, "
+          f"{args.rounds}x{args.steps} steps per variant, torch {torch.__version__}, "
+          f"clock {CLOCK.__name__}")
+    for name, ms in median.items():
+        extra = ""
+        if isinstance(variants[name], TapVariant):
+            cps, nbytes = variants[name].last
+            extra = f"  {cps} checkpoints/step, {nbytes / 1e6:.2f} MB hashed/step"
+        elif isinstance(variants[name], SeedStyle):
+            extra = f"  {variants[name].checkpoints} checkpoints/step"
+        print(f"  {name:11s} median {ms:8.3f} ms/step  x{ms / base:6.3f}  +{ms - base:7.3f} ms"
+              f"  (min {low[name]:8.3f}  +{low[name] - low['disarmed']:7.3f}){extra}")
+    for label, table in (("median", median), ("min", low)):
+        tap, seed = table["tap"] - table["disarmed"], table["seed-002"] - table["disarmed"]
+        ratio = seed / tap if tap > 0 else float("inf")
+        print(f"  seed-002 overhead / tap overhead ({label}): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``enginetap tap``: record per-step fingerprints, report on a run, diff two runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from enginetap.errors import ConfigError
+
+app = typer.Typer(help="Per-step sublayer fingerprints: record, report, diff.",
+                  no_args_is_help=True)
+
+
+@app.command("run")
+def run(
+    model: Annotated[str, typer.Option(help="builtin:NAME or a model folder.")],
+    prompts: Annotated[str, typer.Option(help="A prompt FILE or builtin:NAME (pairs, short).")],
+    out: Annotated[Path, typer.Option(help="Directory for the tap files.")],
+    engine: Annotated[str, typer.Option(
+        help="builtin (vLLM: arm it with ENGINETAP_CAPABILITIES=tap).")] = "builtin",
+    batch_size: Annotated[int, typer.Option(min=1)] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
+    max_rows: Annotated[int, typer.Option(min=1)] = 64,
+    tp: Annotated[int, typer.Option(min=1)] = 1,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Record a tap run of PROMPTS on the built-in engine."""
+    from enginetap.tap.run import load_prompts, record_run
+
+    if engine != "builtin" or tp != 1:
+        raise ConfigError(f"`tap run` records on the built-in engine only (asked: {engine}, "
+                          f"TP {tp})", "vLLM runs are armed inside vLLM itself",
+                          "run vLLM with ENGINETAP=1 ENGINETAP_CAPABILITIES=tap "
+                          "ENGINETAP_OUT=DIR, then use `enginetap tap report DIR`")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"unknown dtype {dtype!r}", "the built-in engine runs float32 or "
+                          "bfloat16", "pass --dtype float32 or --dtype bfloat16")
+    texts = load_prompts(prompts)
+    outputs = record_run(model, texts, out, batch_size=batch_size,
+                         max_new_tokens=max_new_tokens, tap={"max_rows": max_rows}, dtype=dtype)
+    typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
+
+
+@app.command("report")
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A tap run directory.")],
+    html: Annotated[Path | None, typer.Option(help="Write one self-contained HTML page.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print findings as JSON.")] = False,
+) -> None:
+    """Pairs, continuity, metadata and sampler findings of one run."""
+    from enginetap.tap.files import load_run
+    from enginetap.tap.report import analyse, html_page, summary
+
+    analysis = analyse(load_run(run_dir))
+    if as_json:
+        typer.echo(json.dumps({
+            "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
+                       "continuity": [v.to_json() for v in r.continuity],
+                       "metadata": [v.to_json() for v in r.metadata],
+                       "sampler": [vars(f) for f in r.sampler]} for r in analysis.ranks],
+            "cross_rank": [m.to_json() for m in analysis.cross_rank]}, indent=1))
+    else:
+        typer.echo("\n".join(summary(analysis)))
+    if html is not None:
+        html.write_text(html_page(analysis), encoding="utf-8")
+        typer.echo(f"wrote {html}")
+
+
+@app.command("diff")
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="Tap run A.")],
+    run_b: Annotated[Path, typer.Argument(help="Tap run B (same prompts).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the diff as JSON.")] = False,
+    html: Annotated[Path | None, typer.Option(help="Write one self-contained HTML page.")] = None,
+) -> None:
+    """First diverging (step, layer, sublayer) per request and overall; exit 1 if any."""
+    from enginetap.tap.diff import diff_runs
+    from enginetap.tap.files import load_run
+    from enginetap.tap.report import diff_page
+
+    first = load_run(run_a)
+    diffs = diff_runs(first, load_run(run_b))
+    lines = [_describe(d) for d in diffs]
+    typer.echo(json.dumps([d.to_json() for d in diffs], indent=1) if as_json
+               else "\n".join(lines))
+    if html is not None:
+        html.write_text(diff_page(diffs, first, "\n".join(lines).splitlines()), encoding="utf-8")
+        typer.echo(f"wrote {html}")
+    raise typer.Exit(1 if any(d.diverged for d in diffs) else 0)
+
+
+def _describe(d) -> str:
+    lines = [f"rank {d.rank}: {d.rows_compared} aligned rows compared, {d.rows_diverged} "
+             f"diverged, {d.rows_token_diverged} with different earlier tokens, "
+             f"{d.only_a} only in A, {d.only_b} only in B"]
+    if d.first is not None:
+        f = d.first
+        lines.append(f"  first divergence: step {f.step_a} (B: {f.step_b}) layer {f.layer} "
+                     f"sublayer {f.sublayer} request {f.key} position {f.position}")
+    for key, f in sorted(d.per_request.items()):
+        lines.append(f"  {key}: position {f.position} step {f.step_a} {f.checkpoint}")
+    for key, pos in sorted(d.first_token_split.items()):
+        lines.append(f"  {key}: tokens differ from position {pos}")
+    if not d.diverged:
+        lines.append("  no divergence")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""The ``tap`` capability: a :class:`TapRecorder` and its wrappers in an armed process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginetap.core.capability import ArmContext, InstallResult
+from enginetap.core.patching import PatchSet
+from enginetap.tap.options import TapOptions
+from enginetap.tap.points import CheckpointNames, logits_wrapper, sublayer_wrapper
+from enginetap.tap.recorder import TapRecorder
+
+__all__ = ["TapInstall", "install"]
+
+
+@dataclass
+class TapInstall:
+    """What ``tap`` installed: the recorder and one wrapper per sublayer class."""
+
+    recorder: TapRecorder
+    patches: PatchSet = field(default_factory=lambda: PatchSet("tap"))
+    targets: set[str] = field(default_factory=set)
+    names: CheckpointNames = field(default_factory=CheckpointNames)
+
+    def add_model(self, model: Any, targets: list[str]) -> None:
+        """Wrap ``model``'s sublayer classes (once per class) and its own forward."""
+        self.recorder.model_loaded(model)
+        self.names.add_model(model)
+        fresh = PatchSet("tap")
+        cls = type(model)
+        own = f"{cls.__module__}:{cls.__qualname__}.forward"
+        for target in [*targets, own]:
+            if target in self.targets:
+                continue
+            self.targets.add(target)
+            fresh.add(target, logits_wrapper(self.recorder) if target == own
+                      else sublayer_wrapper(self.recorder, self.names))
+        fresh.install()
+        self.patches.patches.extend(fresh.patches)
+
+    def uninstall(self) -> None:
+        self.patches.uninstall()
+        self.targets.clear()
+        self.recorder.uninstall()
+
+
+def install(context: ArmContext) -> InstallResult:
+    """Record per-step row fingerprints to ``<out_dir>/<file>-rank<r>.jsonl``.
+
+    Raises:
+        PatchError: a sublayer target of a loaded model does not resolve.
+    """
+    options = context.options_of("tap")
+    assert isinstance(options, TapOptions)
+    installed = TapInstall(TapRecorder(context, options).install())
+    context.hooks.on_model_loaded(
+        lambda model: installed.add_model(model, context.hooks.sublayer_targets(model)))
+    context.notes["tap"] = installed.recorder
+    return installed, (f"tap (up to {options.max_rows} rows per step, writing to "
+                       f"{installed.recorder.writer.path})")

@@ -1,0 +1,151 @@
+"""Diffing two runs of the same prompts: rows aligned by (request key, position).
+
+Row indices, step numbers and batch composition differ between runs (batch 1 vs 8,
+another configuration, another engine version); the request key and the position do
+not. Each aligned row is compared checkpoint by checkpoint in run A's execution order;
+rows whose token prefixes differ (the runs generated different tokens earlier) are
+counted, not compared. Prompt rows (prefill in both) with different prefixes mean the
+runs had different prompts: that is refused.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginetap.tap.files import RankTap, StepRecord, TapError, TapRun
+from enginetap.tap.pairs import layer_of
+from enginetap.tap.compare import comparable, last_of_request
+
+__all__ = ["Divergence", "RunDiff", "diff_ranks", "diff_runs"]
+
+Located = tuple[StepRecord, int, bool]
+"""A row: its step, its index there, whether it is its request's last row there."""
+
+
+@dataclass
+class Divergence:
+    key: str
+    position: int
+    step_a: int
+    step_b: int
+    checkpoint: str
+
+    @property
+    def layer(self) -> str:
+        return layer_of(self.checkpoint)
+
+    @property
+    def sublayer(self) -> str:
+        """The checkpoint within its layer (``attn.out`` of ``L3.attn.out``)."""
+        layer = self.layer
+        return self.checkpoint[len(layer) + 1:] if layer != "model" else self.checkpoint
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "position": self.position, "step_a": self.step_a,
+                "step_b": self.step_b, "layer": self.layer, "sublayer": self.sublayer,
+                "checkpoint": self.checkpoint}
+
+
+@dataclass
+class RunDiff:
+    rank: int
+    rows_compared: int = 0
+    rows_diverged: int = 0
+    rows_token_diverged: int = 0
+    only_a: int = 0
+    only_b: int = 0
+    per_request: dict[str, Divergence] = field(default_factory=dict)
+    """The first diverging row (lowest position) of every request that diverged."""
+    first_token_split: dict[str, int] = field(default_factory=dict)
+    """Per request: the first position whose token prefix differs between the runs."""
+    by_checkpoint: Counter = field(default_factory=Counter)
+    cells: Counter = field(default_factory=Counter)
+    """(layer, step in run A) → aligned rows whose first divergence is there."""
+    first: Divergence | None = None
+
+    @property
+    def diverged(self) -> bool:
+        return bool(self.rows_diverged or self.rows_token_diverged)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "rows_compared": self.rows_compared,
+                "rows_diverged": self.rows_diverged,
+                "rows_token_diverged": self.rows_token_diverged,
+                "only_a": self.only_a, "only_b": self.only_b,
+                "first": None if self.first is None else self.first.to_json(),
+                "per_request": {k: d.to_json() for k, d in sorted(self.per_request.items())},
+                "first_token_split": dict(sorted(self.first_token_split.items())),
+                "by_checkpoint": dict(self.by_checkpoint.most_common())}
+
+
+def _index(rank: RankTap) -> dict[tuple[str, int], Located]:
+    rows: dict[tuple[str, int], Located] = {}
+    for step in rank.steps:
+        last = last_of_request(step.rows)
+        for i, row in enumerate(step.rows):
+            rows.setdefault((row["key"], row["pos"]), (step, i, i in last))
+    return rows
+
+
+def _refuse_prompts(rank_a: RankTap, rank_b: RankTap, key: tuple[str, int],
+                    a: Located, b: Located) -> None:
+    raise TapError(f"{rank_a.path}:{a[0].line} and {rank_b.path}:{b[0].line}: the runs had "
+                   f"different prompts", f"request {key[0]!r} has other prompt tokens up to "
+                   f"position {key[1]}", "diff two runs of the same prompts")
+
+
+def _first_difference(a: Located, b: Located) -> str | None:
+    (sa, i, last_a), (sb, j, last_b) = a, b
+    both_last = last_a and last_b
+    where = {name: c for c, name in enumerate(sb.checkpoints)}
+    for c, name in enumerate(sa.checkpoints):
+        other = where.get(name)
+        if other is not None and sa.hashes[c][i] != sb.hashes[other][j] \
+                and comparable(name, sa.rows[i], sb.rows[j], both_last):
+            return name
+    return None
+
+
+def diff_ranks(rank_a: RankTap, rank_b: RankTap, rank: int = 0) -> RunDiff:
+    """Raises: TapError: prompt rows of one request differ (different prompts)."""
+    index_a, index_b = _index(rank_a), _index(rank_b)
+    result = RunDiff(rank, only_a=len(index_a.keys() - index_b.keys()),
+                     only_b=len(index_b.keys() - index_a.keys()))
+    best: tuple[int, int] | None = None
+    for key in sorted(index_a.keys() & index_b.keys()):
+        a, b = index_a[key], index_b[key]
+        ra, rb = a[0].rows[a[1]], b[0].rows[b[1]]
+        if ra["prefix"] != rb["prefix"]:
+            if a[0].mode == "prefill" and b[0].mode == "prefill":
+                _refuse_prompts(rank_a, rank_b, key, a, b)
+            result.rows_token_diverged += 1
+            result.first_token_split.setdefault(key[0], key[1])
+            continue
+        result.rows_compared += 1
+        name = _first_difference(a, b)
+        if name is None:
+            continue
+        found = Divergence(key[0], key[1], a[0].step, b[0].step, name)
+        result.rows_diverged += 1
+        result.by_checkpoint[name] += 1
+        result.cells[(layer_of(name), a[0].step)] += 1
+        result.per_request.setdefault(key[0], found)
+        order = (found.step_a, a[0].checkpoints.index(name))
+        if best is None or order < best:
+            best, result.first = order, found
+    return result
+
+
+def diff_runs(run_a: TapRun, run_b: TapRun) -> list[RunDiff]:
+    """One :class:`RunDiff` per rank both runs have (rank to rank).
+
+    Raises:
+        TapError: the runs had different prompts, or share no rank.
+    """
+    shared = sorted(run_a.ranks.keys() & run_b.ranks.keys())
+    if not shared:
+        raise TapError(f"{run_a.root} and {run_b.root} share no rank",
+                       "each run's files name their ranks", "diff runs of the same ranks")
+    return [diff_ranks(run_a.ranks[r], run_b.ranks[r], r) for r in shared]

@@ -1,0 +1,40 @@
+"""``options.tap`` of the arming config: which rows and checkpoints the tap records."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["TapOptions"]
+
+
+class TapOptions(BaseModel):
+    """What the ``tap`` capability records each step (saved in every tap file's header)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_rows: int = Field(64, ge=1, le=4096)
+    """Token rows tapped per step: the last rows of the batch that pass the filter."""
+    request_filter: str = ""
+    """Only rows whose request key contains this substring are tapped ("" = every row);
+    the arming config's ``request_filter`` applies as well."""
+    inputs: Literal["layers", "all"] = "layers"
+    """Record the input rows of decoder layers only, or of every sublayer (twice the
+    checkpoints; names the culprit more precisely where untapped ops sit between
+    sublayers)."""
+    continuity: bool = True
+    """Kernel-level points where the engine has them: recurrent state before/after each
+    step, the KV row written this step and the previous one re-read."""
+    sampler: bool = True
+    """Argmax, runner-up and top-1/top-2 logit gap per tapped request."""
+    vectors: Literal["off", "split", "window"] = "off"
+    """Also write the raw tapped rows (safetensors): at each pair's first split, or for
+    the steps of ``vector_steps``."""
+    vector_steps: list[int] = Field(default_factory=list, max_length=2)
+    """``[first, last]`` step (inclusive) whose rows ``vectors="window"`` writes."""
+    force: bool = False
+    """Record even under torch.compile tracing or CUDA-graph capture (where the hooks
+    would be traced into the graph); refused by default."""
+    file: str = "tap"
+    """Output name: ``<out_dir>/<file>-rank<r>.jsonl``."""

@@ -1,0 +1,170 @@
+"""Where the tap records: wrappers on sublayer classes and the built-in engine's caches.
+
+Every sublayer class the engine names (:meth:`EngineHooks.sublayer_targets`) gets one
+wrapper: it records the output rows under the module's short scope name (``L3.attn.out``,
+``L3.moe.gate.out``), and the input rows of decoder layers (``L3.in``; of every sublayer
+with ``inputs="all"``). Checkpoints are therefore in execution order: a module's input
+before its children, its output after them.
+
+Kernel-level points of transformers models (the built-in engine's dense caches), read
+around the attention and gated-delta modules that own them:
+
+- ``Lk.attn.kv_written``: the key and value of each tapped row, read back from the cache
+  after the layer wrote them; ``Lk.attn.kv_prev``: the cache column of the row's previous
+  position, re-read at this step (it must equal that position's ``kv_written``);
+- ``Lk.gdn.state_before`` / ``state_after`` (and ``conv_before`` / ``conv_after``): the
+  recurrent and convolution state of each tapped row's request around the step.
+
+Modules of other engines lack these cache arguments, so only their outputs are recorded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+
+from enginetap.core.scope import SCOPE
+from enginetap.tap.recorder import TapRecorder
+
+__all__ = ["CheckpointNames", "logits_wrapper", "sublayer_wrapper"]
+
+_LAYER = re.compile(r"^L\d+$")
+
+
+def _outputs(value: Any) -> list[tuple[str, Any]]:
+    """``out`` for a tensor; ``out``, ``out1``, ... for the tensors of a tuple (a router's
+    logits, weights and expert ids)."""
+    if isinstance(value, (tuple, list)):
+        return [("out" if i == 0 else f"out{i}", v) for i, v in enumerate(value)
+                if isinstance(v, torch.Tensor)]
+    return [("out", value)]
+
+
+def _hidden(args: tuple, kwargs: dict) -> Any:
+    """The hidden states a module is called with: by name, else the first floating-point
+    tensor argument (vLLM's decoder layers take ``positions`` first)."""
+    found = kwargs.get("hidden_states")
+    if found is not None:
+        return found
+    for value in (*args, kwargs.get("x")):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    return None
+
+
+class CheckpointNames:
+    """The checkpoint base name of every module of the loaded models: its scope short
+    name, plus ``.core`` where a module's short name equals its parent's (vLLM's
+    ``self_attn.attn`` kernel layer inside ``self_attn``), so names stay unique."""
+
+    def __init__(self) -> None:
+        self._names: WeakKeyDictionary[Any, str] = WeakKeyDictionary()
+
+    def add_model(self, model: Any) -> None:
+        shorts = {q: SCOPE.short(m) for q, m in model.named_modules()}
+        for qualname, module in model.named_modules():
+            short = shorts[qualname]
+            if short is None:
+                continue
+            parent = shorts.get(qualname.rpartition(".")[0]) if "." in qualname else None
+            self._names[module] = f"{short}.core" if parent == short else short
+
+    def get(self, module: Any) -> str | None:
+        return self._names.get(module)
+
+
+def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
+    """The wrapper factory's product for every sublayer target."""
+    every_input = recorder.options.inputs == "all"
+    continuity = recorder.options.continuity
+
+    def tap_sublayer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if recorder.step is None:
+            return wrapped(*args, **kwargs)
+        name = names.get(instance)
+        if name is None:
+            return wrapped(*args, **kwargs)
+        hidden = _hidden(args, kwargs)
+        if every_input or _LAYER.match(name):
+            recorder.checkpoint(f"{name}.in", hidden)
+        kind = name.removesuffix(".core").rpartition(".")[2]
+        if continuity and kind == "gdn":
+            _state_points(recorder, name, instance, hidden, kwargs, "before")
+        out = wrapped(*args, **kwargs)
+        for suffix, tensor in _outputs(out):
+            recorder.checkpoint(f"{name}.{suffix}", tensor)
+        if continuity and kind == "attn":
+            _kv_points(recorder, name, instance, hidden, kwargs)
+        elif continuity and kind == "gdn":
+            _state_points(recorder, name, instance, hidden, kwargs, "after")
+        return out
+
+    return tap_sublayer
+
+
+def _batch_rows(recorder: TapRecorder, hidden: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(batch row, column within this step's inputs, columns) of each tapped row, for a
+    ``[batch, columns, ...]`` input."""
+    columns = int(hidden.shape[1])
+    index = recorder.index(hidden.device)
+    return index // columns, index % columns, columns
+
+
+def _kv_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
+               kwargs: dict) -> None:
+    cache = kwargs.get("past_key_values")
+    layer_idx = getattr(module, "layer_idx", None)
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
+            or hidden.dim() < 3 or layer_idx >= len(layers):
+        return
+    keys = getattr(layers[layer_idx], "keys", None)
+    values = getattr(layers[layer_idx], "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) \
+            or keys.dim() != 4 or keys.shape[0] != hidden.shape[0]:
+        return
+    batch, column, columns = _batch_rows(recorder, hidden)
+    written = keys.shape[2] - columns + column
+    for suffix, col in (("kv_written", written), ("kv_prev", (written - 1).clamp(min=0))):
+        k = keys[batch, :, col, :].reshape(len(recorder.rows), -1)
+        v = values[batch, :, col, :].reshape(len(recorder.rows), -1)
+        both = torch.cat([k.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)], 1)
+        recorder.checkpoint_rows(f"{name}.{suffix}", both)
+
+
+def _state_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
+                  kwargs: dict, when: str) -> None:
+    cache = kwargs.get("cache_params")
+    layer_idx = getattr(module, "layer_idx", None)
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
+            or hidden.dim() < 3 or layer_idx >= len(layers):
+        return
+    layer = layers[layer_idx]
+    # one state per request, however many of its rows are tapped (a prefill's)
+    batch = recorder.request_index(hidden.device) // int(hidden.shape[1])
+    for label, states in (("state", "recurrent_states"), ("conv", "conv_states")):
+        state = (getattr(layer, states, None) or {}).get(0)
+        if isinstance(state, torch.Tensor) and state.shape[0] == hidden.shape[0]:
+            recorder.checkpoint_requests(f"{name}.{label}_{when}",
+                                         state.index_select(0, batch))
+
+
+def logits_wrapper(recorder: TapRecorder):
+    """Wrapper on the model's own ``forward``: top-2 logits of each tapped row's request
+    (the last logits row of its batch row, the one the engine samples from)."""
+
+    def tap_logits(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        out = wrapped(*args, **kwargs)
+        logits = getattr(out, "logits", None)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if recorder.step is not None and isinstance(logits, torch.Tensor) \
+                and logits.dim() == 3 and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            batch, _, _ = _batch_rows(recorder, ids)
+            recorder.note_logits(logits[batch, -1, :])
+        return out
+
+    return tap_logits

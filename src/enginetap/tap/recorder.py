@@ -1,0 +1,276 @@
+"""The per-step tap: stages checkpoint rows on device, writes one record per step.
+
+Step begin picks the tapped rows; every checkpoint during the step gathers those rows'
+bytes into the step's staging buffer (:mod:`enginetap.tap.fingerprint`); step end hashes
+them all and brings hashes and sampler values to the host in one transfer; the JSONL
+record is formatted and written off the step path where a GPU runs the model
+(:mod:`enginetap.tap.sink`). Outside a step (warm-up, dummy runs) every checkpoint is
+a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from typing import Any
+
+import torch
+
+from enginetap.core.capability import ArmContext
+from enginetap.core.context import Step, subscribe, unsubscribe
+from enginetap.core.jsonl import RankJsonl
+from enginetap.core.tensors import capturing
+from enginetap.tap.fingerprint import StepStaging, token_rows
+from enginetap.tap.options import TapOptions
+from enginetap.tap.rows import PrefixTracker, row_records, select_rows
+from enginetap.tap.sink import RecordSink
+from enginetap.tap.vectors import VectorDump
+
+logger = logging.getLogger("enginetap.tap")
+
+__all__ = ["FORMAT", "TapRecorder"]
+
+FORMAT = "enginetap-tap"
+VERSION = 1
+
+
+def _hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+class TapRecorder:
+    """One per armed process; subscribed to the step context while installed."""
+
+    def __init__(self, context: ArmContext, options: TapOptions) -> None:
+        self.context = context
+        self.options = options
+        self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
+        self.sink = RecordSink(self.writer, background=torch.cuda.is_available())
+        self.vectors = None if options.vectors == "off" else VectorDump(
+            context.out_dir, context.rank, options.vectors, options.vector_steps)
+        self.filters = [options.request_filter, context.config.request_filter]
+        self.prefixes = PrefixTracker()
+        self.models: list[dict[str, Any]] = []
+        self.refused: set[str] = set()
+        self._header = False
+        self.last_checkpoints = 0
+        """Checkpoints recorded in the last step (benchmarks, logs)."""
+        self.last_bytes = 0
+        """Bytes staged and hashed in the last step."""
+        self._staging: dict[torch.device, StepStaging] = {}
+        self._cuda = torch.cuda.is_available()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.step: Step | None = None
+        self.padded = 0
+        self.rows: list[dict[str, Any]] = []
+        self.token_index: list[int] = []
+        self.names: list[tuple[torch.device, str]] = []
+        self.counts: dict[str, int] = {}
+        self.sampler: list[tuple[torch.device, torch.Tensor]] = []
+        self.request_of_row: list[int] = []
+        self.request_token_index: list[int] = []
+        self._index: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def install(self) -> TapRecorder:
+        subscribe(on_begin=self.begin, on_end=self.end)
+        return self
+
+    def uninstall(self) -> None:
+        unsubscribe(self.begin)
+        unsubscribe(self.end)
+        self._clear()
+        self.sink.close()
+
+    def model_loaded(self, model: Any) -> None:
+        config = getattr(model, "config", None)
+        dtype = next((str(p.dtype) for p in model.parameters()), None)
+        self.models.append({"class": type(model).__name__, "dtype": dtype,
+                            "model_type": getattr(config, "model_type", None),
+                            "layers": getattr(config, "num_hidden_layers", None)})
+
+    @property
+    def active(self) -> bool:
+        return self.step is not None
+
+    def begin(self, step: Step) -> None:
+        self._clear()
+        prefixes = self.prefixes.update(step)
+        picked = select_rows(step, self.filters, self.options.max_rows)
+        if not self._header:
+            self._write_header(step)
+        if not picked:
+            return
+        self.step = step
+        self.padded = step.padded_tokens or len(step.rows)
+        self.rows = row_records(step, picked, prefixes)
+        self.token_index = [r["token_index"] for r in self.rows]
+        last = {r["key"]: i for i, r in enumerate(self.rows)}
+        order = {key: n for n, key in enumerate(last)}
+        self.request_of_row = [order[r["key"]] for r in self.rows]
+        self.request_token_index = [self.token_index[i] for i in last.values()]
+        for device, staging in self._staging.items():
+            staging.reset(len(picked), self._device_list("inverse", device))
+
+    def end(self, step: Step) -> None:
+        if self.step is not step:
+            self._clear()
+            return
+        try:
+            self.sink.submit(self._transfer(step), step.step)
+            self.last_checkpoints = len(self.names)
+            self.last_bytes = sum(s.used for s in self._staging.values())
+        finally:
+            self._clear()
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The tapped rows' token indices on ``device`` (built once per step)."""
+        return self._device_list("rows", device)
+
+    def request_index(self, device: torch.device) -> torch.Tensor:
+        """Token index of each tapped request's last tapped row (one per request)."""
+        return self._device_list("requests", device)
+
+    def _device_list(self, what: str, device: torch.device) -> torch.Tensor:
+        found = self._index.get((what, device))
+        if found is None:
+            values = {"rows": self.token_index, "requests": self.request_token_index,
+                      "inverse": self.request_of_row}[what]
+            found = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+            self._index[(what, device)] = found
+        return found
+
+    def allowed(self, name: str) -> bool:
+        """False (and noted once) inside compile tracing or graph capture unless forced."""
+        if self.options.force or not (torch.compiler.is_compiling() or self._capturing()):
+            return True
+        if name not in self.refused:
+            self.refused.add(name)
+            logger.warning("tap: %s not recorded under torch.compile / CUDA-graph capture "
+                           "(hooks would be traced into the graph; set options.tap.force)",
+                           name)
+        return False
+
+    def _capturing(self) -> bool:
+        return self._cuda and capturing()
+
+    def checkpoint(self, name: str, tensor: Any) -> None:
+        """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
+        forward) under ``name``; tensors of another layout are skipped."""
+        if self.step is None or not isinstance(tensor, torch.Tensor):
+            return
+        if tensor.requires_grad:  # only outside inference mode; a view costs little
+            tensor = tensor.detach()
+        source = token_rows(tensor, self.padded)
+        if source is None or not self.allowed(name):
+            return
+        device = source.device
+        self._staging_for(device).stage(source, self.index(device))
+        self.names.append((device, name if name not in self.counts else self._unique(name)))
+        self.counts.setdefault(name, 1)
+
+    def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
+        if self.step is None or not self.allowed(name):
+            return
+        source = rows.detach().reshape(len(self.rows), -1)
+        if source.dtype == torch.bool:
+            source = source.view(torch.uint8)
+        self._staging_for(source.device).stage(source, None)
+        self.names.append((source.device, self._unique(name)))
+
+    def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
+        """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
+        ``name``; every tapped row of a request gets its request's hash."""
+        if self.step is None or not self.allowed(name):
+            return
+        source = rows.detach().reshape(len(self.request_token_index), -1)
+        if source.dtype == torch.bool:
+            source = source.view(torch.uint8)
+        self._staging_for(source.device).stage_per_request(source)
+        self.names.append((source.device, self._unique(name)))
+
+    def note_logits(self, logits: torch.Tensor) -> None:
+        """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
+        if self.step is None or not self.options.sampler or not self.allowed("sampler"):
+            return
+        values, ids = torch.topk(logits.detach().float(), 2, dim=-1)
+        packed = torch.cat([ids.to(torch.int64), values.double().view(torch.int64)], dim=1)
+        self.sampler.append((packed.device, packed))
+
+    def _unique(self, name: str) -> str:
+        """``name``, or ``name#2``, ``name#3``... for a module run again in one step."""
+        seen = self.counts.get(name, 0) + 1
+        self.counts[name] = seen
+        return name if seen == 1 else f"{name}#{seen}"
+
+    def _staging_for(self, device: torch.device) -> StepStaging:
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = self._staging[device] = StepStaging(len(self.rows), device)
+            staging.reset(len(self.rows), self._device_list("inverse", device))
+        return staging
+
+    # -- records ---------------------------------------------------------------------
+
+    def _transfer(self, step: Step) -> Any:
+        """Hash what was staged and bring it to the host (one transfer per device, one
+        device in practice); returns the function that formats the record from it."""
+        by_device: dict[torch.device, list[str]] = {}
+        for device, name in self.names:
+            by_device.setdefault(device, []).append(name)
+        host: list[tuple[list[str], torch.Tensor, int]] = []
+        for device, names in by_device.items():
+            extra = [p.flatten() for d, p in self.sampler if d == device]
+            flat = torch.cat([self._staging[device].hashes().flatten(), *extra]).cpu()
+            host.append((names, flat, len(extra)))
+            if self.vectors is not None:
+                self.vectors.maybe_dump(step.step, self.rows, names, self._staging[device],
+                                        flat[:len(names) * len(self.rows)])
+        host += [([], p.cpu(), 1) for d, p in self.sampler if d not in by_device]
+        rows, order = self.rows, [name for _, name in self.names]
+        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": rows,
+                "checkpoints": order, "sampled": dict(step.sampled)}
+        return lambda: _format(head, host, len(rows))
+
+    def _write_header(self, step: Step) -> None:
+        self._header = True
+        hooks = self.context.hooks
+        header = {
+            "kind": "header", "format": FORMAT, "version": VERSION,
+            "engine": step.engine, "engine_version": hooks.engine_version(),
+            "world_size": self.context.world_size, "tp_size": self.context.world_size,
+            "kv_block_size": step.kv_block_size, "models": self.models,
+            "options": self.options.model_dump(), "compiled": torch.compiler.is_compiling(),
+            "cuda_graphs": capturing(), "eager": not capturing(),
+            "torch": torch.__version__, "host": platform.node(),
+        }
+        self.sink.submit(lambda: header, -1)
+
+
+def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],
+            k: int) -> dict[str, Any]:
+    hashes: dict[str, list[str]] = {}
+    sampler: list[list[int]] = []
+    for names, flat, extra in host:
+        values = flat.tolist()
+        for j, name in enumerate(names):
+            hashes[name] = [_hex(v) for v in values[j * k:(j + 1) * k]]
+        if extra:
+            tail = values[len(names) * k:]
+            sampler = [tail[r * 4:r * 4 + 4] for r in range(k)]
+    return {**head, "hashes": [hashes[n] for n in head["checkpoints"]],
+            "sampler": [_sampler_row(s) for s in sampler]}
+
+
+def _sampler_row(packed: list[int]) -> dict[str, Any]:
+    import struct
+
+    top1, top2 = (struct.unpack("<d", struct.pack("<q", v))[0] for v in packed[2:4])
+    return {"argmax": packed[0], "runner_up": packed[1], "top1": top1, "top2": top2,
+            "gap": top1 - top2}

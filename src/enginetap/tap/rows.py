@@ -1,0 +1,77 @@
+"""Which rows a step taps, what is recorded about each, and the token prefix they carry.
+
+A row is tapped when its request key passes the filters; the last ``max_rows`` such rows
+of the batch are kept (the decode rows of a mixed batch sit last). Per tapped row the
+record holds the step context's metadata and a hash of the request's token ids up to and
+including the row's own token, kept per request across steps: pairs are rows whose
+prefixes match, verified on token ids, never assumed from positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginetap.core.context import Step
+
+__all__ = ["PrefixTracker", "select_rows", "row_records"]
+
+_PRIME = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+def select_rows(step: Step, filters: list[str], max_rows: int) -> list[int]:
+    """Row indices of ``step`` to tap: those whose key contains every filter, last first
+    cut to ``max_rows`` (returned in batch order)."""
+    keys = step.rows.keys
+    picked = [i for i, key in enumerate(keys) if all(f in key for f in filters if f)]
+    return picked[-max_rows:]
+
+
+@dataclass
+class PrefixTracker:
+    """Per request key: the next position expected and the hash of the tokens before it."""
+
+    seen: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def update(self, step: Step) -> list[int | None]:
+        """Prefix hash of every row of ``step`` (None where earlier tokens were never seen,
+        e.g. a prefix taken from a cache)."""
+        out: list[int | None] = []
+        rows = step.rows
+        for key, pos, tok in zip(rows.keys, rows.positions, rows.token_ids):
+            before = self.seen.get(key)
+            if pos == 0:
+                h: int | None = 0
+            elif before is not None and before[0] == pos:
+                h = before[1]
+            else:
+                out.append(None)
+                self.seen.pop(key, None)
+                continue
+            assert h is not None
+            h = (h * _BASE + tok + 1) % _PRIME
+            self.seen[key] = (pos + 1, h)
+            out.append(h)
+        return out
+
+
+def _column(values: list[int] | None, i: int) -> int | None:
+    return None if values is None else values[i]
+
+
+def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> list[dict[str, Any]]:
+    """The metadata of each tapped row, as written to the tap file."""
+    rows = step.rows
+    index = rows.token_index
+    out = []
+    for i in picked:
+        out.append({"row": i, "key": rows.keys[i], "request_id": rows.request_ids[i],
+                    "pos": rows.positions[i], "tok": rows.token_ids[i],
+                    "computed_host": rows.computed_host[i],
+                    "computed_device": _column(rows.computed_device, i),
+                    "kv_slot": _column(rows.kv_slots, i),
+                    "state_slot": _column(rows.state_slots, i),
+                    "token_index": i if index is None else index[i],
+                    "prefix": None if prefixes[i] is None else f"{prefixes[i]:016x}"})
+    return out

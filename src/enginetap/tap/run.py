@@ -1,0 +1,95 @@
+"""Recording a tap run on the built-in engine: prompts in batches, one armed engine.
+
+Request ids are ``p<index>`` (index in the prompt list), so runs of the same prompts at
+other batch sizes align request by request in ``enginetap tap diff``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from enginetap.errors import ConfigError
+
+__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run"]
+
+BUILTIN_PROMPTS: dict[str, list[str]] = {
+    "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
+              "a longer prompt about batching requests together", "kernels and caches",
+              "decode", "the cache holds every key", "one more request"],
+    "short": ["hello", "kernels and caches", "decode one token at a time", "batching"],
+}
+"""Built-in prompt sets; ``pairs`` repeats prompts so that same-prefix pairs exist."""
+
+
+def load_prompts(spec: str) -> list[str]:
+    """``builtin:NAME``, a text file (one prompt per line) or a JSONL file of
+    ``{"prompt": ...}`` objects.
+
+    Raises:
+        ConfigError: an unknown built-in set, an unreadable file, a bad JSONL line
+            (named by file and line), or no prompts.
+    """
+    if spec.startswith("builtin:"):
+        name = spec.partition(":")[2]
+        if name not in BUILTIN_PROMPTS:
+            raise ConfigError(f"unknown built-in prompt set {name!r}",
+                              f"there are {', '.join(BUILTIN_PROMPTS)}", "pick one of those")
+        return list(BUILTIN_PROMPTS[name])
+    path = Path(spec)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompts from {path}", exc.strerror or str(exc),
+                          "pass a text file with one prompt per line, or builtin:NAME") from None
+    prompts = [_prompt_of(path, n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{path} holds no prompts", "every line is empty",
+                          "write one prompt per line")
+    return prompts
+
+
+def _prompt_of(path: Path, number: int, line: str) -> str:
+    if path.suffix != ".jsonl":
+        return line
+    try:
+        prompt = json.loads(line)["prompt"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError(f"{path}:{number}: not a prompt line",
+                          'a .jsonl prompt file holds {"prompt": "..."} objects',
+                          "fix the line or use a plain text file") from None
+    return str(prompt)
+
+
+def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
+               max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
+               dtype: str = "float32") -> list[list[int]]:
+    """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine,
+    writing the tap files to ``out``; returns the output tokens in prompt order.
+
+    Raises:
+        ConfigError: the model or the tap options are invalid.
+    """
+    import torch
+
+    from enginetap.config import ArmConfig
+    from enginetap.core.jsonl import close_all
+    from enginetap.engines.hf import HFEngine, Request
+    from enginetap.engines.hf.arming import disarm
+
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
+                       options={"tap": tap or {}, "step": {"record": False}})
+    kwargs = {"dtype": getattr(torch, dtype), "prefix_cache_size": 0, "arm": config}
+    try:
+        engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
+                  if model.startswith("builtin:") else HFEngine(model, **kwargs))
+        outputs: list[list[int]] = []
+        for start in range(0, len(prompts), batch_size):
+            batch = [Request(request_id=f"p{start + i}", prompt=p, max_new_tokens=max_new_tokens)
+                     for i, p in enumerate(prompts[start:start + batch_size])]
+            outputs.extend(c.output_ids for c in engine.generate(batch))
+    finally:
+        disarm()
+        close_all()
+    return outputs

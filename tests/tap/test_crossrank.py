@@ -1,0 +1,49 @@
+"""Replicated checkpoints are compared rank to rank; shards are not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from enginetap.tap.crossrank import compare_ranks
+from enginetap.tap.files import load_run
+from enginetap.tap.report import analyse, summary
+
+from .conftest import Recorder, requests
+
+
+def _as_two_ranks(run_dir: Path, edit) -> None:
+    """Rank 1 = rank 0's records with ``edit(record)`` applied; both headers say TP=2."""
+    lines = [json.loads(x) for x in (run_dir / "tap-rank0.jsonl").read_text().splitlines()]
+    lines[0]["world_size"] = 2
+    (run_dir / "tap-rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    other = [dict(x, rank=1) for x in lines]
+    for record in other[1:]:
+        edit(record)
+    (run_dir / "tap-rank1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in other))
+
+
+def _flip(record: dict, step: int, checkpoint: str, key: str) -> None:
+    if record["step"] != step:
+        return
+    c = record["checkpoints"].index(checkpoint)
+    i = next(i for i, r in enumerate(record["rows"]) if r["key"] == key)
+    record["hashes"][c][i] = f"{int(record['hashes'][c][i], 16) ^ 1:016x}"
+
+
+def test_a_replicated_checkpoint_that_differs_is_named(record: Recorder, tmp_path: Path) -> None:
+    out = tmp_path / "tp"
+    record("llama", requests(["kernels and caches", "decode"], max_new_tokens=3), out=out)
+    assert compare_ranks(load_run(out)) == []
+
+    def edit(r: dict) -> None:
+        _flip(r, 2, "L1.in", "r1")        # replicated: must be reported
+        _flip(r, 1, "L0.mlp.out", "r0")   # a shard under TP: not compared
+
+    _as_two_ranks(out, edit)
+    run = load_run(out)
+    (found,) = compare_ranks(run)
+    r1 = next(r for r in run.rank(0).steps[2].rows if r["key"] == "r1")
+    assert (found.step, found.checkpoint, found.key, found.position, found.ranks) == (
+        2, "L1.in", "r1", r1["pos"], [1])
+    assert any("L1.in request r1" in line for line in summary(analyse(run)))
