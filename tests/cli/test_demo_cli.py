@@ -15,23 +15,32 @@ def _demo(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "COLUMNS": "200"})
 
 
-def test_demo_runs_engine_writes_validates_and_replays(tmp_path):
+def test_demo_captures_under_mooncake_traffic_and_replays(tmp_path):
     out = tmp_path / "[exp1]" / "demo"  # markup-like path: printed as is
-    result = _demo("--out", str(out), "--workloads", "1", "--max-new-tokens", "3")
+    result = _demo("--out", str(out), "--models", "llama,deepseek_v3",
+                   "--max-output-tokens", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
-    assert f"3. dataset {out / 'dataset'}" in result.stdout
-    assert "5. replay ok" in result.stdout and "req-prefix" in result.stdout
-    names = set(Dataset(out / "dataset").definitions())
-    assert {"rmsnorm_h128_bfloat16_round_twice", "gqa_paged_decode_h4_kv2_d32_ps16_bfloat16"} <= names
-    assert any(n.startswith("moe_grouped_gemm_fp8_fp4") for n in names)
-    assert validate_dataset(out / "dataset") == []
+    assert "captured llama under builtin:mooncake-tiny" in result.stdout
+    assert "demo ok" in result.stdout
+    llama = set(Dataset(out / "dataset" / "llama").definitions())
+    assert {"rmsnorm_h128_bfloat16_round_twice", "gqa_paged_decode_h4_kv2_d32_ps16_bfloat16",
+            "gqa_ragged_prefill_causal_h4_kv2_d32_bfloat16"} <= llama
+    # the built-in engine never produces MLA's latent output: inputs only, said so
+    mla = [line for line in result.stdout.splitlines() if line.startswith("│ mla_paged_decode")]
+    assert mla and "INPUTS ONLY" in mla[0]
+    for model in ("llama", "deepseek_v3"):
+        assert validate_dataset(out / "dataset" / model) == []
+        receipts = [l.enginetap.receipt for n in Dataset(out / "dataset" / model).definitions()
+                    for l in Dataset(out / "dataset" / model).workloads(n)]
+        assert receipts and all(r.source.startswith("capture:") for r in receipts)
     # A second run replaces only its own earlier output: a file the user put beside it stays.
     (out / "notes.txt").write_text("mine")
-    again = _demo("--out", str(out), "--workloads", "1", "--max-new-tokens", "2")
+    again = _demo("--out", str(out), "--models", "llama", "--max-output-tokens", "2")
     assert again.returncode == 0, again.stdout + again.stderr
     assert (out / "notes.txt").read_text() == "mine"
-    assert validate_dataset(out / "dataset") == []
+    assert not (out / "dataset" / "deepseek_v3").exists()
+    assert validate_dataset(out / "dataset" / "llama") == []
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path):

@@ -59,8 +59,10 @@ def print_capture(out: Console, root: Path) -> bool:
     from enginetap.dataset import Dataset
 
     dataset = Dataset(root)
-    table = Table("definition", "workloads", "variants", "layers", "bytes",
-                  title=f"captured into {escape(str(root))}")
+    table = Table(title=f"captured into {escape(str(root))}")
+    table.add_column("definition", overflow="fold")
+    for column in ("workloads", "variants", "layers", "bytes"):
+        table.add_column(column, justify="right")
     for name in sorted(dataset.definitions()):
         lines = dataset.workloads(name)
         receipts = [l.enginetap.receipt for l in lines if l.enginetap is not None]

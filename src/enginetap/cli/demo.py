@@ -1,13 +1,18 @@
-"""`enginetap demo`: the main job on the built-in engine and a built-in tiny model.
+"""`enginetap demo`: the main job — capture from a real engine, then replay.
 
-1. build (or reuse) a tiny random-weight model;
-2. run a batch of requests through the built-in transformers engine, then a request that
-   shares a prefix with one of them, and show the step context each step published;
-3. write a FlashInfer-Trace dataset of the operator definitions this model runs (plus the
-   seed-only families), with synthetic workloads; validate it; replay every definition's
-   reference against the stored outputs.
+1. build (or reuse) the built-in tiny models qwen3_next (gated delta rule + gated
+   attention + MoE) and deepseek_v3 (MLA + grouped-sigmoid MoE);
+2. drive the built-in transformers engine on each with traffic derived from the Mooncake
+   conversation trace shipped with enginetap (context percentiles, a subagent, an
+   auxiliary call, a fully reused prefix warmed by its predecessor, an overlapping group,
+   arrivals replayed), capture every operator the probes cover into one FlashInfer-Trace
+   dataset per model, and print what was captured;
+3. validate each dataset and replay every captured workload against its definition's
+   reference, printing one verdict per definition.
 
-Exit status 0 when the dataset validates and every replay check passes, else 1.
+Exit status 0 when every dataset validates and every workload that carries engine outputs
+replays PASS, else 1. Workloads captured with inputs only (the built-in engine computes
+MLA un-absorbed, so it never produces the MLA definitions' output) are listed apart.
 
 ``--out`` is never followed when it is a link. The demo writes only ``OUT/dataset`` and a
 marker file listing the files it wrote there; a re-run deletes exactly those (refusing if
@@ -34,26 +39,27 @@ __all__ = ["demo"]
 
 console = Console()
 MARKER = ".enginetap-demo"
-PROMPTS = [
-    "The scheduler batches requests so that the kernels stay busy",
-    "A prefix cache",
-    "Decode steps read the whole KV cache of every request in the batch",
-]
 
 
 def demo(
     out: Annotated[Path, typer.Option(help="Output directory (made by this command).")] = Path("demo-out"),
-    model: Annotated[str, typer.Option(help="Built-in model name (`enginetap models list`).")] = "llama",
-    workloads: Annotated[int, typer.Option(min=1, help="Synthetic workloads per definition.")] = 2,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
+    models: Annotated[str, typer.Option(help="Comma list of built-in models.")] = "qwen3_next,deepseek_v3",
+    profile: Annotated[str, typer.Option(help="Traffic profile.")] = "builtin:mooncake-tiny",
+    max_output_tokens: Annotated[int, typer.Option(min=1)] = 8,
 ) -> None:
-    """Run the built-in engine on a tiny model, then build, validate and replay a dataset."""
+    """Capture real operator workloads from the built-in engine under Mooncake traffic,
+    then replay every one against its reference."""
+    names = [m.strip() for m in models.split(",") if m.strip()]
     _fresh_output(out)
-    model_dir = _build(model)
-    _run_engine(model_dir, max_new_tokens)
-    dataset = _write_dataset(out / "dataset", model_dir, workloads)
-    _write_marker(out, sorted(_tree(dataset)[0]))
-    sys.exit(0 if _validate_and_replay(dataset) else 1)
+    ok = True
+    for index, name in enumerate(names, 1):
+        root = out / "dataset" / name
+        _capture(name, root, profile, max_output_tokens, index)
+        ok = _validate_and_replay(root) and ok
+        _write_marker(out, sorted(_tree(out / "dataset")[0]))
+    console.print(f"[bold]demo {'ok' if ok else 'not ok'}[/]: next, try `enginetap replay "
+                  f"{escape(str(out / 'dataset' / names[0]))} --solution my_kernels.py:fn`")
+    sys.exit(0 if ok else 1)
 
 
 def _fresh_output(out: Path) -> None:
@@ -142,81 +148,58 @@ def _tree(root: Path) -> tuple[list[str], list[str]]:
     return files, others
 
 
-def _build(model: str) -> Path:
-    from enginetap.models import build_model
+def _capture(name: str, root: Path, profile: str, max_output_tokens: int, index: int) -> None:
+    from enginetap.cli.capture import print_capture
+    from enginetap.jobs.capture import CaptureJob, run_capture
 
-    with console.status(escape(f"building built-in model {model!r} (cached after the first run)")):
-        path = build_model(model)
-    console.print(f"[bold]1. model[/] {escape(model)}: {escape(str(path))}")
-    return path
+    console.rule(f"[bold]{index}. {escape(name)}[/]")
+    with console.status(escape(f"building built-in model {name!r} (cached after the first run)")):
+        from enginetap.models import build_model
 
-
-def _run_engine(model_dir: Path, max_new_tokens: int) -> None:
-    from enginetap.core.context import Step, subscribe, unsubscribe
-    from enginetap.engines.hf import HFEngine, Request
-
-    steps: list[Step] = []
-    subscribe(on_begin=steps.append)
-    try:
-        engine = HFEngine(model_dir)
-        batch = [Request(request_id=f"req-{i}", prompt=p, max_new_tokens=max_new_tokens)
-                 for i, p in enumerate(PROMPTS)]
-        done = engine.generate(batch)
-        reuse = Request(request_id="req-prefix", prompt=PROMPTS[0] + " and the cache warm",
-                        max_new_tokens=max_new_tokens)
-        done += engine.generate([reuse])
-    finally:
-        unsubscribe(steps.append)
-    console.print(f"[bold]2. built-in engine[/] {len(done)} requests, {len(steps)} steps")
-    console.print(_steps_table(steps))
-    for completion in done:
-        console.print(f"  {completion.request_id}: {completion.text!r} ({completion.finish_reason})",
-                      markup=False, highlight=False)
-
-
-def _steps_table(steps: list) -> Table:
-    table = Table("step", "mode", "rows", "requests", "positions (first request)",
-                  "cached before", title="step context published per engine step")
-    for step in steps:
-        rows = step.rows
-        first = rows.rows_of(rows.request_ids[0])
-        positions = [rows.positions[i] for i in first]
-        span = f"{positions[0]}..{positions[-1]}" if len(positions) > 1 else str(positions[0])
-        table.add_row(str(step.step), step.mode, str(len(rows)),
-                      ", ".join(dict.fromkeys(rows.request_ids)), span,
-                      str(rows.computed_host[first[0]]))
-    return table
-
-
-def _write_dataset(root: Path, model_dir: Path, workloads: int) -> Path:
-    from enginetap.dataset import Dataset
-    from enginetap.definitions.catalog import instances_for_model
-    from enginetap.definitions.registry import templates
-    from enginetap.replay.synth import synthesize
-
-    dataset = Dataset(root, create=True)
-    wanted = [(i.template, dict(i.values))
-              for i in instances_for_model(model_dir, engine="transformers")]
-    # The seed-only families run on no engine here: their small examples show them too.
-    wanted += [(t, dict(t.example)) for t in templates().values() if not t.engines]
-    with console.status("writing synthetic workloads"):
-        names = [synthesize(dataset, t, values, workloads=workloads, seed=i).name
-                 for i, (t, values) in enumerate(wanted)]
-    console.print(f"[bold]3. dataset[/] {escape(str(root))}: {len(names)} definitions × "
-                  f"{workloads} workloads")
-    return root
+        build_model(name)
+    job = CaptureJob("builtin", f"builtin:{name}", profile, root, policy="default",
+                     max_output_tokens=max_output_tokens, progress=console.is_terminal)
+    result = run_capture(job)
+    console.print(f"captured {escape(name)} under {escape(profile)}: {result.receipts} requests "
+                  f"sent, status {result.status}")
+    print_capture(console, root)
 
 
 def _validate_and_replay(root: Path) -> bool:
     from enginetap.dataset import validate_dataset
     from enginetap.replay import replay_dataset
-    from enginetap.replay.report import print_report, summary_line
 
     problems = validate_dataset(root)
-    console.print(f"[bold]4. validate[/] {'ok' if not problems else f'{len(problems)} problem(s)'}")
+    console.print(f"validate: {'ok' if not problems else f'{len(problems)} problem(s)'}")
     for line in problems:
         console.print(f"  {line}", markup=False, highlight=False)
     report = replay_dataset(root, progress=console.is_terminal)
-    print_report(console, report)
-    console.print(f"[bold]5. replay[/] {summary_line(report)}")
-    return report.ok and not problems
+    table = Table(title=f"replay of {escape(str(root))} against the references")
+    table.add_column("definition", overflow="fold")
+    for column in ("workloads", "verdict", "worst max abs", "note"):
+        table.add_column(column)
+    ok = not problems
+    for result in report.definitions:
+        verdict, note, worst = _verdict(result)
+        ok = ok and verdict in ("PASS", "INPUTS ONLY")
+        style = {"PASS": "green", "INPUTS ONLY": "yellow"}.get(verdict, "red")
+        table.add_row(escape(result.name), str(len(result.workloads)),
+                      f"[{style}]{verdict}[/]", worst, escape(note))
+    console.print(table)
+    return ok
+
+
+def _verdict(result) -> tuple[str, str, str]:
+    """One verdict per definition: PASS, INPUTS ONLY (nothing stored to compare), or the
+    worst status with the first reason."""
+    checks = [c for w in result.workloads for c in w.checks]
+    errors = [c.comparison.max_abs_error for c in checks
+              if c.comparison is not None and c.comparison.max_abs_error is not None]
+    worst = f"{max(errors):.3g}" if errors else "-"
+    if result.status == "PASS":
+        return "PASS", "", worst
+    reasons = [c.message or "" for c in checks if c.status != "PASS"] + [
+        w.message or "" for w in result.workloads if w.status != "PASS" and not w.checks]
+    if reasons and all(r.startswith("nothing compared") for r in reasons):
+        return "INPUTS ONLY", "engine exposes no output", worst
+    return result.status, next((r for r in reasons if r), result.message or ""), worst
