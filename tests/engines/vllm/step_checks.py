@@ -52,7 +52,12 @@ def check_steps(steps: list[dict], requests: dict[str, Request],
             _check_block(step, begin, end, requests[name])
             positions = step["rows"]["positions"][begin:end]
             key = step["rows"]["request_keys"][begin]
-            assert key == rid.rsplit("-", 1)[0], f"request key {key} of {rid}"
+            # the engine's id without vLLM's random suffix (and, for the OpenAI server's
+            # "cmpl-<id>-<choice>", the id the client chose)
+            stable = rid.rsplit("-", 1)[0]
+            if stable.startswith("cmpl-"):
+                stable = stable[len("cmpl-"):].rsplit("-", 1)[0]
+            assert key == stable, f"request key {key} of {rid}"
             sequence, last = requests[name].sequence, positions[-1]
             if last + 1 >= len(requests[name].prompt) and last + 1 < len(sequence):
                 # the step ends after sampling: the token sampled is the next one fed

@@ -58,10 +58,12 @@ def test_steps_match_the_scheduled_requests(armed_runs, model: str):
     assert set(seen.first_position) == set(requests)
     hybrid = model == "qwen3_next"
     assert all((s["rows"]["state_slots"] is not None) == hybrid for s in steps)
-    # The repeated prompt: only its uncached suffix is computed, where prefix caching is on
-    # (vLLM CPU turns it off for MLA models such as DeepSeek-V3).
+    # The repeated prompt: only its uncached suffix is computed, where prefix caching is on.
+    # Whether vLLM CPU keeps it on for MLA models (DeepSeek-V3) depends on the CPU's kernel
+    # path (seen off on one machine kind, on on this AMX one): the rows must agree either way.
     cached = report["requests"]["a2"]["cached_tokens"]
-    assert report["prefix_caching"] == (model != "deepseek_v3")
+    if model != "deepseek_v3":
+        assert report["prefix_caching"]
     assert seen.first_position["a2"] == cached
     assert (cached > 0) == report["prefix_caching"]
     assert seen.first_position["a"] == 0
