@@ -42,10 +42,16 @@ class DefinitionError(EnginetapError):
     """An operator definition is unknown or its parameters are invalid."""
 
 
-def describe_validation(exc: Any) -> str:
-    """One line for a pydantic ``ValidationError``: ``field.path: message; ...``."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}"
-                     for e in exc.errors())
+def describe_validation(exc: Any, limit: int | None = None) -> str:
+    """One line for a pydantic ``ValidationError``: ``field.path: message; ...`` (the first
+    ``limit`` failures and a count of the rest; malformed JSON said as such). The one
+    formatter of validation errors in enginetap."""
+    errors = exc.errors(include_url=False)
+    if errors and errors[0]["type"] == "json_invalid":
+        return f"malformed JSON ({errors[0]['msg']})"
+    shown = errors if limit is None else errors[:limit]
+    text = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in shown)
+    return text + (f" (+{len(errors) - len(shown)} more)" if len(errors) > len(shown) else "")
 
 
 class ProblemsError(EnginetapError):

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from enginetap.dataset.files import NotRegular, file_kind, iter_lines, read_capped
 from enginetap.dataset.paths import resolve_within
 from enginetap.dataset.schema import Definition, WorkloadLine
-from enginetap.errors import DatasetError
+from enginetap.errors import DatasetError, describe_validation
 
 __all__ = [
     "MAX_DEFINITION_BYTES", "MAX_LINE_BYTES", "DamagedLine", "DefinitionFile", "LineRecord",
@@ -206,9 +206,5 @@ def _parse(model: type[M], text: str, where: str) -> M | str:
 
 def describe(exc: ValidationError, limit: int = 3) -> str:
     """A one-line summary of a pydantic error: the first ``limit`` failures with locations."""
-    errors = exc.errors(include_url=False)
-    if errors and errors[0]["type"] == "json_invalid":
-        return f"malformed JSON ({errors[0]['msg']})"
-    parts = [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in errors[:limit]]
-    more = f" (+{len(errors) - limit} more)" if len(errors) > limit else ""
-    return f"does not match the schema: {'; '.join(parts)}{more}"
+    text = describe_validation(exc, limit)
+    return text if text.startswith("malformed JSON") else f"does not match the schema: {text}"

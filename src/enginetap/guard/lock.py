@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from enginetap.core.isolated import Child, ChildDied
-from enginetap.errors import ConfigError, PatchError, ProblemsError
+from enginetap.errors import ConfigError, PatchError, ProblemsError, describe_validation
 from enginetap.guard.source import ALGORITHM, TargetSource, Unreadable, Vanished, read_target
 
 __all__ = ["Drift", "DriftError", "GuardLock", "IsolatedReader", "LockEntry", "check_lock",
@@ -99,13 +99,8 @@ class GuardLock(BaseModel):
             raise ConfigError(f"cannot read the guard lock {path}", exc.strerror or str(exc),
                               "point at the lock file 'enginetap guard pin' wrote") from None
         except ValidationError as exc:
-            raise ConfigError(f"{path} is not a valid guard lock", _first_error(exc),
+            raise ConfigError(f"{path} is not a valid guard lock", describe_validation(exc, 1),
                               "re-create it with 'enginetap guard pin'") from None
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    return f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}"
 
 
 @dataclass(frozen=True)
