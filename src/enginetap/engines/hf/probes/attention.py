@@ -104,6 +104,8 @@ class _Live:
 
     def __init__(self, call: ProbeCall, q_len: int, kv_len: int) -> None:
         mask, causal = call.args["attn_mask"], bool(call.args["is_causal"])
+        if mask is not None and mask.device.type != "cpu":
+            mask = mask.cpu()  # one transfer per call, not one per request
         self.requests = batch_requests(call)
         self.columns: list[list[int]] = []
         self.ok = True

@@ -107,8 +107,9 @@ def end_aligned(seen: torch.Tensor, columns: list[int]) -> tuple[list[int], bool
     live = torch.nonzero(queries[-1]).flatten()
     n, total = len(columns), int(live.numel())
     expected = torch.zeros_like(queries)
-    for i in range(n):
-        expected[i, live[: max(0, total - n + i + 1)]] = True
+    # query i sees the first total - n + i + 1 live columns (vectorised: no per-query loop)
+    limit = torch.arange(n) + (total - n + 1)
+    expected[:, live] = torch.arange(total)[None, :] < limit[:, None]
     return live.tolist(), total >= n and torch.equal(queries, expected)
 
 
