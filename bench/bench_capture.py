@@ -88,10 +88,13 @@ def _decode_steps(engine: HFEngine, requests: list[Request]) -> tuple[list[float
     return times, copied
 
 
+BUDGET = {"bytes": 1 << 30}
+
+
 def _config(out: Path, policy) -> ArmConfig:
     return ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
                      options={"capture": {"dataset": str(out / "ds"), "policy": policy,
-                                          "budget_bytes": 1 << 30}})
+                                          "budget_bytes": BUDGET["bytes"]}})
 
 
 EVERY_DECODE = {"name": "bench-every-decode", "prefill": False,
@@ -197,7 +200,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--writer-workloads", type=int, default=200)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--budget-gb", type=float, default=1.0,
+                        help="capture's host byte budget: when the writer (disk) falls behind "
+                             "by more, selected steps wait for it")
     args = parser.parse_args()
+    BUDGET["bytes"] = int(args.budget_gb * (1 << 30))
     if args.threads:
         torch.set_num_threads(args.threads)
     table = measure(args)

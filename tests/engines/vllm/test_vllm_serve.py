@@ -55,7 +55,8 @@ def test_served_steps_match_the_requests(tiny_model, tmp_path: Path, model: str)
     assert {"prefill", "decode"} <= seen.modes
     assert set(seen.first_position) == set(requests)
     cached = seen.first_position["again"]
-    assert (cached > 0) == (model != "deepseek_v3")  # vLLM CPU disables it for MLA
+    # vLLM CPU keeps prefix caching for MLA (DeepSeek-V3) on some CPUs and not on others
+    assert cached > 0 or model == "deepseek_v3"
     assert cached % 32 == 0 and seen.first_position["reset"] == 0
 
 
