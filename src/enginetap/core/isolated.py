@@ -18,7 +18,6 @@ taking one request dict and returning the reply dict) for every request.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -26,6 +25,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import IO, Any
+
+from enginetap.core.patching import resolve
 
 __all__ = ["Child", "ChildDied", "one_line"]
 
@@ -147,9 +148,7 @@ def _serve(entry: str, read_fd: int, write_fd: int) -> None:
     replies = os.fdopen(write_fd, "w", encoding="utf-8")
     requests = os.fdopen(read_fd, "r", encoding="utf-8")
     os.dup2(2, 1)  # user code's prints go to stderr, never into the reply channel
-    module, _, name = entry.partition(":")
-    handle: Callable[[dict[str, Any]], dict[str, Any]] = getattr(
-        importlib.import_module(module), name)
+    handle: Callable[[dict[str, Any]], dict[str, Any]] = resolve(entry)
     for line in requests:
         try:
             reply = handle(json.loads(line))

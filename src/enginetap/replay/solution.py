@@ -20,7 +20,6 @@ NaN bytes there rather than freshly freed results of the right shape.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from enginetap.core.isolated import one_line
+from enginetap.core.patching import ResolveError, resolve
 from enginetap.dataset.dtypes import torch_dtype
 from enginetap.dataset.schema import Definition
 from enginetap.errors import ConfigError
@@ -53,15 +53,17 @@ def load_solution(spec: str) -> Callable[..., Any]:
         raise ConfigError(f"bad solution {spec!r}", "expected 'module:function'",
                           "pass e.g. --solution my_kernels:rmsnorm")
     try:
-        module = _import(module_name)
+        target = _load(module_name, attr)
     except BaseException as exc:  # noqa: BLE001 (sys.exit at import too: this runs in a
         # child process that exists to contain the user's code)
-        raise ConfigError(f"cannot import solution module {module_name!r}", one_line(exc),
-                          "name a .py file (path/to/file.py:function), or a module on "
-                          "Python's path (PYTHONPATH); the current directory is not on it")
-    target: Any = module
-    for part in attr.split("."):
-        target = getattr(target, part, None)
+        if isinstance(exc, ResolveError) and exc.kind == "missing-attribute":
+            target = None
+        else:
+            why = exc.why if isinstance(exc, ResolveError) else one_line(exc)
+            raise ConfigError(f"cannot import solution module {module_name!r}",
+                              why, "name a .py file (path/to/file.py:function), "
+                              "or a module on Python's path (PYTHONPATH); the current "
+                              "directory is not on it") from None
     if not callable(target):
         raise ConfigError(f"solution {spec!r} is not a callable",
                           f"{module_name} has no callable {attr!r}",
@@ -69,11 +71,19 @@ def load_solution(spec: str) -> Callable[..., Any]:
     return target
 
 
-def _import(name: str) -> Any:
+def _load(module_name: str, attr: str) -> Any:
+    """A module's attribute through the one resolver, or a .py file's, loaded by path."""
+    if not module_name.endswith(".py"):
+        return resolve(f"{module_name}:{attr}")
+    found: Any = _import_file(module_name)
+    for part in attr.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
+def _import_file(name: str) -> Any:
     # Only the user's own file is loaded by path: its directory (and the current one, which
     # may be a dataset's) never goes on sys.path.
-    if not name.endswith(".py"):
-        return importlib.import_module(name)
     path = Path(name).resolve()
     spec = importlib.util.spec_from_file_location(f"enginetap_solution_{path.stem}", path)
     if spec is None or spec.loader is None:
