@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from enginetap.core.capability import (ArmContext, ArmSpec, Capability, CapabilityRegistry,
-                                       EngineHooks, InstallResult, set_current_arming)
+                                       EngineHooks, InstalledGroup, InstallResult,
+                                       set_current_arming)
 from enginetap.core.recorder import StepRecorder
 
 logger = logging.getLogger("enginetap.arming")
@@ -57,17 +58,6 @@ class StepOptions(BaseModel):
     """vLLM only: after the model loads, gather its sharded weights (a TP self-check)."""
 
 
-class _Group:
-    """Several installed things uninstalled as one, last first."""
-
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-
-    def uninstall(self) -> None:
-        while self.parts:
-            self.parts.pop().uninstall()
-
-
 def install_step(context: ArmContext) -> InstallResult:
     """The ``step`` capability: the engine's step source plus the recorder."""
     options = context.options_of("step")
@@ -83,7 +73,7 @@ def install_step(context: ArmContext) -> InstallResult:
         parts.append(recorder.install())
         what += f" (recording to {recorder.path})"
     context.notes["steps"] = True
-    return _Group(parts), what
+    return InstalledGroup(parts), what
 
 
 STEP = Capability("step", StepOptions, install_step,

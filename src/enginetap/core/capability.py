@@ -27,11 +27,23 @@ from pydantic import BaseModel, ValidationError
 from enginetap.errors import ConfigError, describe_validation
 
 __all__ = ["ArmContext", "Capability", "CapabilityRegistry", "EngineHooks", "Installed",
+           "InstalledGroup",
            "current_arming", "set_current_arming"]
 
 
 class Installed(Protocol):
     def uninstall(self) -> None: ...
+
+
+class InstalledGroup:
+    """Several installed things uninstalled as one, last first."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def uninstall(self) -> None:
+        while self.parts:
+            self.parts.pop().uninstall()
 
 
 class ArmSpec(Protocol):

@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import logging
 
-from enginetap.core.capability import ArmContext, InstallResult
+from enginetap.core.capability import ArmContext, InstalledGroup, InstallResult
 from enginetap.guard.options import GuardOptions, load_install_function
 
 logger = logging.getLogger("enginetap.guard")
 
 __all__ = ["install"]
-
-
-class _Installed:
-    def __init__(self, handles: list) -> None:
-        self.handles = handles
-
-    def uninstall(self) -> None:
-        while self.handles:
-            self.handles.pop().uninstall()
 
 
 def install(context: ArmContext) -> InstallResult:
@@ -41,4 +32,4 @@ def install(context: ArmContext) -> InstallResult:
         done.append(spec)
         if callable(getattr(handle, "uninstall", None)):
             handles.append(handle)
-    return _Installed(handles), f"guard ({len(done)} patch(es): {', '.join(done) or 'none'})"
+    return InstalledGroup(handles), f"guard ({len(done)} patch(es): {', '.join(done) or 'none'})"

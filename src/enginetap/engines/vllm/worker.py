@@ -20,7 +20,7 @@ from typing import Any, Literal
 from enginetap.capabilities import arm as arm_capabilities
 from enginetap.config import ArmConfig
 from enginetap.core.arming import Arming, StepOptions
-from enginetap.core.capability import ArmContext, EngineHooks, InstallResult
+from enginetap.core.capability import ArmContext, EngineHooks, InstalledGroup, InstallResult
 from enginetap.core.patching import PatchSet, bind_arguments
 from enginetap.core.ranks import rank_world, set_group_resolver
 from enginetap.core.scope import SublayerSpec, sublayer_targets
@@ -75,15 +75,6 @@ def vllm_tp_group() -> Any:
     return get_tp_group().device_group
 
 
-class _Installed:
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-
-    def uninstall(self) -> None:
-        while self.parts:
-            self.parts.pop().uninstall()
-
-
 class VLLMHooks(EngineHooks):
     """What a vLLM worker supplies: the V1 runner's steps, loaded models, its TP group."""
 
@@ -122,7 +113,7 @@ class VLLMHooks(EngineHooks):
 
             parts.append(GatherSelfCheck(context.out_dir).install())
             what = "step (gather self-check)"
-        return _Installed(parts), what
+        return InstalledGroup(parts), what
 
     def sublayer_targets(self, model: Any) -> list[str]:
         return sublayer_targets(model, SUBLAYERS)
