@@ -122,6 +122,7 @@ VLLM_MAX_LEN = 2048
 
 def _profile(job: CaptureJob, model_dir: Path) -> Any:
     """The traffic profile, fit to the model's context (read from its config.json)."""
+    from enginetap.traffic.scaling import fit_to_context
     from enginetap.traffic.sources import resolve_profile
 
     try:
@@ -133,8 +134,10 @@ def _profile(job: CaptureJob, model_dir: Path) -> Any:
                           ) from None
     if job.engine == "vllm":
         context = min(context, VLLM_MAX_LEN)
-    return resolve_profile(job.profile, max_context=context,
-                           max_output_tokens=job.max_output_tokens, seed=job.seed)
+    profile = resolve_profile(job.profile, max_context=context,
+                              max_output_tokens=job.max_output_tokens, seed=job.seed)
+    # built-in profiles come fitted with their own output cap: apply the job's too
+    return fit_to_context(profile, context, job.max_output_tokens)
 
 
 def _prepare_out(out: Path) -> Path:
