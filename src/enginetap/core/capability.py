@@ -210,9 +210,6 @@ class ArmContext:
         """This capability's validated options (its defaults when the config has none)."""
         return self.options[capability]
 
-    def armed(self, capability: str) -> bool:
-        return capability in self.capabilities
-
 
 _CURRENT: ArmContext | None = None
 
