@@ -34,8 +34,7 @@ from enginetap.engines.hf.probes.common import (
     batch_requests,
     column_ranges,
     end_aligned,
-    fill_pages_flat,
-    gather_columns,
+    fill_pages,
     instantiate,
     pack_pages,
     visible_columns,
@@ -157,9 +156,8 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
     rows = [r.batch_row for r in live.requests]
     page_size = consts["page_size"]
     pages = pack_pages([len(c) for c in live.columns], page_size)
-    lengths = [len(c) for c in live.columns]
-    keys = gather_columns(k, rows, live.columns)
-    values = gather_columns(v, rows, live.columns)
+    keys = [k[b, :, c].transpose(0, 1) for b, c in zip(rows, live.columns)]
+    values = [v[b, :, c].transpose(0, 1) for b, c in zip(rows, live.columns)]
     notes.append(f"paged cache: the engine's dense padded cache compacted to each request's "
                  f"live columns, packed into fresh {page_size}-token pages numbered in request "
                  "order; unused slots of last pages are zero")
@@ -167,8 +165,8 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
               f" hold cache columns {column_ranges(c)} of batch row {r.batch_row}"
               for i, (r, c) in enumerate(zip(live.requests, live.columns))]
     notes.append("lse: the engine's kernel does not return it; not stored")
-    inputs = {"q": q[rows, :, 0], "k_cache": fill_pages_flat(keys, lengths, page_size),
-              "v_cache": fill_pages_flat(values, lengths, page_size), "kv_indptr": pages.indptr,
+    inputs = {"q": q[rows, :, 0], "k_cache": fill_pages(keys, page_size),
+              "v_cache": fill_pages(values, page_size), "kv_indptr": pages.indptr,
               "kv_indices": pages.indices, "kv_last_page_len": pages.last_page_len,
               "sm_scale": _scale(call, q.shape[-1])}
     return Extracted(inputs, {"output": call.result[rows, :, 0]}, notes)

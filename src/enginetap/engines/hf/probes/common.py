@@ -21,7 +21,7 @@ from enginetap.dataset.schema import Definition
 from enginetap.definitions import get_template
 
 __all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
-           "end_aligned", "fill_pages", "fill_pages_flat", "gather_columns", "instantiate", "pack_pages", "token_rows", "visible_columns"]
+           "end_aligned", "fill_pages", "instantiate", "pack_pages", "token_rows", "visible_columns"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -136,27 +136,11 @@ def pack_pages(lengths: list[int], page_size: int) -> Pages:
 def fill_pages(tokens: list[torch.Tensor], page_size: int) -> torch.Tensor:
     """``[pages, page_size, *rest]``: each request's ``[n, *rest]`` tokens from its first
     page on (as :func:`pack_pages` numbers them); unused slots of last pages are zero."""
-    return fill_pages_flat(torch.cat(tokens), [t.shape[0] for t in tokens], page_size)
-
-
-def fill_pages_flat(flat: torch.Tensor, lengths: list[int], page_size: int) -> torch.Tensor:
-    """:func:`fill_pages` of requests given back to back in ``flat`` (``lengths`` rows
-    each): one placement for all of them, not one copy per request."""
-    counts = [max(1, math.ceil(n / page_size)) for n in lengths]
-    starts = [0]
-    for c in counts[:-1]:
-        starts.append(starts[-1] + c * page_size)
-    dest = torch.tensor([s + i for s, n in zip(starts, lengths) for i in range(n)],
-                        dtype=torch.long).to(flat.device, non_blocking=True)
-    out = flat.new_zeros((sum(counts) * page_size, *flat.shape[1:]))
-    out.index_copy_(0, dest, flat)
-    return out.reshape(sum(counts), page_size, *flat.shape[1:])
-
-
-def gather_columns(tensor: torch.Tensor, rows: list[int],
-                   columns: list[list[int]]) -> torch.Tensor:
-    """``[sum(len(c)), heads, dim]``: of ``tensor`` ``[batch, heads, columns, dim]``, each
-    request's batch row at its columns, back to back in one gather (one index transfer)."""
-    index = torch.tensor([[b, c] for b, cols in zip(rows, columns) for c in cols],
-                         dtype=torch.long).to(tensor.device, non_blocking=True)
-    return tensor[index[:, 0], :, index[:, 1]]
+    rest = tokens[0].shape[1:]
+    counts = [max(1, math.ceil(t.shape[0] / page_size)) for t in tokens]
+    out = tokens[0].new_zeros((sum(counts) * page_size, *rest))
+    start = 0
+    for t, c in zip(tokens, counts):
+        out[start:start + t.shape[0]] = t
+        start += c * page_size
+    return out.reshape(sum(counts), page_size, *rest)
