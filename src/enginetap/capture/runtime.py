@@ -96,7 +96,7 @@ class CaptureRuntime:
     def add_model(self, model: Any) -> None:
         """Install every probe for ``model`` (its class-suffix targets resolved)."""
         self.provenance.model = model_identity(model)
-        fresh = PatchSet("capture")
+        new = []
         for probe in self.probes:
             for target in self._targets(probe, model):
                 # Keyed by probe too: two probes may share a target (one kernel, prefill
@@ -104,9 +104,8 @@ class CaptureRuntime:
                 if (probe.name, target) not in self._installed:
                     self._installed.add((probe.name, target))
                     self.installed_targets.add(target)
-                    fresh.add(target, self._wrapper(probe))
-        fresh.install()
-        self.patches.patches.extend(fresh.patches)
+                    new.append((target, self._wrapper(probe)))
+        self.patches.install_more(new)
 
     def _targets(self, probe: Probe, model: Any) -> list[str]:
         if probe.target:

@@ -330,6 +330,19 @@ class PatchSet:
             raise
         return self
 
+    def install_more(self, wrappers: Iterable[tuple[str | Target, Wrapper]]) -> None:
+        """Install further patches into this (installed) set, all or none: patches are
+        added as models load, and one that fails leaves none of the new ones behind.
+
+        Raises:
+            PatchError: a target does not resolve (nothing new stays installed).
+        """
+        fresh = PatchSet(self.name)
+        for target, wrapper in wrappers:
+            fresh.add(target, wrapper)
+        fresh.install()
+        self.patches.extend(fresh.patches)
+
     def uninstall(self) -> None:
         for patch in reversed(self.patches):
             patch.uninstall()

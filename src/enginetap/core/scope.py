@@ -148,13 +148,9 @@ class _ScopeInstall:
 
     def add_model(self, model: Any, targets: Iterable[str]) -> None:
         SCOPE.register(model)
-        fresh = PatchSet("scope")
-        for target in targets:
-            if target not in self.targets:
-                self.targets.add(target)
-                fresh.add(target, _enter_module)
-        fresh.install()
-        self.patches.patches.extend(fresh.patches)
+        new = [t for t in dict.fromkeys(targets) if t not in self.targets]
+        self.targets.update(new)
+        self.patches.install_more((t, _enter_module) for t in new)
 
     def uninstall(self) -> None:
         self.patches.uninstall()

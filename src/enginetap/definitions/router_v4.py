@@ -76,6 +76,20 @@ _AXES = {"num_tokens": var("Tokens routed in this call."),
          "top_k": const("Experts chosen per token.")}
 _LOGITS = Tensor(("num_tokens", "num_experts"), "{logits_dtype}", "Gate logits, one per expert.")
 
+# What the two DeepSeek-V4 router families share besides their inputs and reference.
+_SHARED: dict[str, Any] = dict(
+    compare={"topk_ids": CompareRule(kind="selection"),
+             "topk_weights": CompareRule(atol=1e-6, rtol=1e-5, paired_with="topk_ids")},
+    params={"routed_scaling_factor": 1.0, "logits_dtype": "float32"},
+    choices={"logits_dtype": ("float32", "bfloat16")},
+    constraints=("top_k <= num_experts",),
+    tags=("stage:moe_router",),
+    engines=("vllm",),
+    example={"num_experts": 16, "top_k": 4, "routed_scaling_factor": 1.5},
+    example_axes={"num_tokens": 16},
+    workload_axes=_axes,
+)
+
 TOPK_SQRTSOFTPLUS = Template(
     family="moe_topk_sqrtsoftplus",
     op_type="moe_router",
@@ -97,16 +111,7 @@ TOPK_SQRTSOFTPLUS = Template(
     outputs=ROUTER_OUTPUTS,
     reference="moe_topk_sqrtsoftplus.py",
     generate=_biased_inputs,
-    compare={"topk_ids": CompareRule(kind="selection"),
-             "topk_weights": CompareRule(atol=1e-6, rtol=1e-5, paired_with="topk_ids")},
-    params={"routed_scaling_factor": 1.0, "logits_dtype": "float32"},
-    choices={"logits_dtype": ("float32", "bfloat16")},
-    constraints=("top_k <= num_experts",),
-    tags=("stage:moe_router",),
-    engines=("vllm",),
-    example={"num_experts": 16, "top_k": 4, "routed_scaling_factor": 1.5},
-    example_axes={"num_tokens": 16},
-    workload_axes=_axes,
+    **_SHARED,
 )
 
 TOPK_SQRTSOFTPLUS_HASH = Template(
@@ -127,14 +132,5 @@ TOPK_SQRTSOFTPLUS_HASH = Template(
     outputs=ROUTER_OUTPUTS,
     reference="moe_topk_sqrtsoftplus_hash.py",
     generate=_hash_inputs,
-    compare={"topk_ids": CompareRule(kind="selection"),
-             "topk_weights": CompareRule(atol=1e-6, rtol=1e-5, paired_with="topk_ids")},
-    params={"routed_scaling_factor": 1.0, "logits_dtype": "float32"},
-    choices={"logits_dtype": ("float32", "bfloat16")},
-    constraints=("top_k <= num_experts",),
-    tags=("stage:moe_router",),
-    engines=("vllm",),
-    example={"num_experts": 16, "top_k": 4, "routed_scaling_factor": 1.5},
-    example_axes={"num_tokens": 16},
-    workload_axes=_axes,
+    **_SHARED,
 )

@@ -27,17 +27,13 @@ class TapInstall:
         """Wrap ``model``'s sublayer classes (once per class) and its own forward."""
         self.recorder.model_loaded(model)
         self.names.add_model(model)
-        fresh = PatchSet("tap")
         cls = type(model)
         own = f"{cls.__module__}:{cls.__qualname__}.forward"
-        for target in [*targets, own]:
-            if target in self.targets:
-                continue
-            self.targets.add(target)
-            fresh.add(target, logits_wrapper(self.recorder) if target == own
-                      else sublayer_wrapper(self.recorder, self.names))
-        fresh.install()
-        self.patches.patches.extend(fresh.patches)
+        new = [t for t in dict.fromkeys([*targets, own]) if t not in self.targets]
+        self.targets.update(new)
+        self.patches.install_more(
+            (t, logits_wrapper(self.recorder) if t == own
+             else sublayer_wrapper(self.recorder, self.names)) for t in new)
 
     def uninstall(self) -> None:
         self.patches.uninstall()
