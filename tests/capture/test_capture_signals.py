@@ -46,12 +46,24 @@ def _readable_lines(root: Path) -> int:
     return count
 
 
+def _wait_for_a_line(root: Path, timeout: float = 60) -> None:
+    """The writer is a background thread: "round N" says the engine stepped, not that a
+    record reached disk. Wait for the first workload line (the loop keeps capturing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(f.stat().st_size > 0 for f in root.glob("workloads/**/*.jsonl")):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no workload line under {root} within {timeout}s")
+
+
 @pytest.mark.slow
 def test_sigkill_at_several_points_leaves_no_torn_record(tmp_path):
     for point, (after_round, extra_s) in enumerate([(0, 0.0), (1, 0.15), (2, 0.4)]):
         out = tmp_path / f"kill{point}"
         proc = _start(out)
         _wait_for(proc, f"round {after_round}")
+        _wait_for_a_line(out / "ds")
         time.sleep(extra_s)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
