@@ -59,7 +59,7 @@ def test_runs_of_different_prompts_are_refused(record: Recorder, recorded: Path,
 
 def test_the_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     (tmp_path / "tap-rank0.jsonl").write_text('{"kind": "header", "format": "enginetap-tap", '
-                                             '"version": 1}\n{"step": 0, "mode"\n')
+                                             '"version": 2}\n{"step": 0, "mode"\n')
     done = subprocess.run([sys.executable, "-m", "enginetap.cli.main", "tap", "report",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2

@@ -28,7 +28,9 @@ def _flip(record: dict, step: int, checkpoint: str, key: str) -> None:
         return
     c = record["checkpoints"].index(checkpoint)
     i = next(i for i, r in enumerate(record["rows"]) if r["key"] == key)
-    record["hashes"][c][i] = f"{int(record['hashes'][c][i], 16) ^ 1:016x}"
+    packed = record["hashes"][c]  # one hex string, 16 digits per row
+    flipped = f"{int(packed[16 * i:16 * i + 16], 16) ^ 1:016x}"
+    record["hashes"][c] = packed[:16 * i] + flipped + packed[16 * i + 16:]
 
 
 def test_a_replicated_checkpoint_that_differs_is_named(record: Recorder, tmp_path: Path) -> None:

@@ -96,11 +96,13 @@ def _step(path: Path, number: int, record: dict[str, Any]) -> StepRecord:
             raise TapError(f"{path}:{number}: step record without a valid {name!r}",
                            f"expected {kind.__name__}, got {type(record.get(name)).__name__}",
                            "record the run again with this enginetap")
-    rows, checkpoints, hashes = record["rows"], record["checkpoints"], record["hashes"]
-    if len(hashes) != len(checkpoints) or any(len(h) != len(rows) for h in hashes):
+    rows, checkpoints, packed = record["rows"], record["checkpoints"], record["hashes"]
+    if len(packed) != len(checkpoints) \
+            or any(not isinstance(h, str) or len(h) != 16 * len(rows) for h in packed):
         raise TapError(f"{path}:{number}: hashes do not match checkpoints x rows",
                        f"{len(checkpoints)} checkpoints, {len(rows)} rows",
                        "record the run again; the file is corrupt")
+    hashes = [[h[i:i + 16] for i in range(0, len(h), 16)] for h in packed]
     return StepRecord(record["step"], record["mode"], rows, checkpoints, hashes,
                       record.get("sampler") or [], record.get("sampled") or {}, number)
 
