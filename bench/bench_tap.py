@@ -203,6 +203,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    parser.add_argument("--profile", default="", help="also print the host profile "
+                        "(cProfile, top functions) of this variant's steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     DEVICE = args.device
@@ -222,6 +224,26 @@ def main() -> None:
             finally:
                 variant.uninstall()
     report(args, times, variants)
+    if args.profile:
+        profile(loop, variants[args.profile], args.steps)
+
+
+def profile(loop: Loop, variant: Any, steps: int) -> None:
+    """Where the host time of ``variant``'s decode steps goes (own time per function)."""
+    import cProfile
+    import pstats
+
+    variant.install()
+    try:
+        loop.decode()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            loop.decode()
+        prof.disable()
+    finally:
+        variant.uninstall()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]], variants: dict) -> None:

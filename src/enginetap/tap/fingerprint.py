@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepStaging", "hash_rows", "row_bytes", "token_rows", "word_weights"]
+__all__ = ["StepStaging", "fingerprint", "hash_rows", "row_bytes", "token_rows",
+           "word_weights"]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -65,6 +66,31 @@ def hash_rows(rows: torch.Tensor) -> torch.Tensor:
     path equals (tests, the benchmark)."""
     words = _words(rows.contiguous())
     return (words * word_weights(words.shape[1], rows.device)).sum(dim=1)
+
+
+def fingerprint(tensor: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """One hash of all of ``tensor``'s bytes (``hash_rows`` of it as one row): a whole
+    recurrent state or KV cache, compared between steps. On CUDA one Triton kernel near
+    read bandwidth (:mod:`enginetap.tap.kernels`); elsewhere torch, ``chunk`` words at a
+    time."""
+    from enginetap.tap import kernels
+
+    if kernels.available(tensor):
+        return kernels.fingerprint_tensor(tensor)
+    words = _words(tensor.contiguous().reshape(1, -1))[0]
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for start in range(0, words.numel(), chunk):
+        part = words[start:start + chunk]
+        weights = _weights_from(start, part.numel(), tensor.device)
+        total += (part * weights).sum()
+    return int(total.item())
+
+
+def _weights_from(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """``word_weights`` of positions ``start..start+n-1``, computed on ``device``."""
+    j = torch.arange(start + 1, start + n + 1, dtype=torch.int64, device=device)
+    golden = _GOLDEN - (1 << 64)
+    return (j * golden) | 1
 
 
 @dataclass
@@ -170,7 +196,12 @@ class StepStaging:
         return torch.cat(parts).index_select(0, order)
 
     def _hash_group(self, group: _Group) -> torch.Tensor:
-        words = _words(group.buffer[:group.slots])
+        from enginetap.tap import kernels
+
+        staged = group.buffer[:group.slots]
+        if staged.is_cuda and kernels.available(staged):
+            return kernels.hash_rows_kernel(staged)  # one launch, no int64 copies
+        words = _words(staged)
         return (words * self._weights_for(words.shape[-1])).sum(dim=-1)
 
     def _weights_for(self, words: int) -> torch.Tensor:

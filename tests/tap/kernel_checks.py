@@ -1,0 +1,34 @@
+"""Run by test_kernels.py in a child with TRITON_INTERPRET=1 (set before Triton loads):
+the Triton kernels against the torch reference, on the CPU through Triton's interpreter."""
+
+import torch
+
+from enginetap.tap import kernels
+from enginetap.tap.fingerprint import StepStaging, fingerprint, hash_rows
+
+g = torch.Generator().manual_seed(0)
+assert kernels.available(torch.zeros(1)), "the interpreter should make the kernels run"
+for rows in (torch.randn(4, 3, 70, generator=g).to(torch.bfloat16),
+             torch.randn(6, 1030, generator=g),
+             torch.arange(21, dtype=torch.uint8).view(3, 7)):
+    flat = rows.reshape(-1, rows.shape[-1])
+    assert torch.equal(kernels.hash_rows_kernel(rows).flatten(), hash_rows(flat)), rows.dtype
+
+x = torch.randn(kernels.CHUNK_WORDS * 2 + 37, generator=g)
+whole = kernels.fingerprint_tensor(x)
+assert whole == int(hash_rows(x.view(1, -1))[0])
+kernels_off = kernels.triton
+kernels.triton = None  # the torch path, chunked at another size, agrees
+assert fingerprint(x, chunk=1000) == whole
+kernels.triton = kernels_off
+flipped = x.clone()
+flipped.view(torch.int32)[kernels.CHUNK_WORDS + 5] ^= 1 << 30
+swapped = x.clone()
+swapped[[3, 4]] = swapped[[4, 3]]
+assert len({whole, kernels.fingerprint_tensor(flipped), kernels.fingerprint_tensor(swapped)}) == 3
+
+staging = StepStaging(2, torch.device("cpu"))
+staging.reset(2)
+staging.stage(torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.tensor([4, 1]))
+assert staging.hashes().shape == (1, 2)
+print("kernels agree")

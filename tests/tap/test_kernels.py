@@ -1,0 +1,35 @@
+"""The Triton fingerprint kernels compute the torch reference's hash bit for bit: on the
+CPU through Triton's interpreter (CI), on CUDA where there is one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from enginetap.tap.fingerprint import fingerprint, hash_rows
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+
+def test_kernels_equal_the_reference_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_checks.py"))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernels agree" in done.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_on_cuda_equal_the_cpu_reference() -> None:
+    from enginetap.tap.kernels import hash_rows_kernel
+
+    x = torch.randn(3, 64, 5120).to(torch.bfloat16)
+    got = hash_rows_kernel(x.cuda()).cpu()
+    assert torch.equal(got.flatten(), hash_rows(x.reshape(-1, 5120)))
+    big = torch.randn(3_000_001)
+    assert fingerprint(big.cuda()) == fingerprint(big)
