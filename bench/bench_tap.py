@@ -59,12 +59,21 @@ def build(args: argparse.Namespace) -> Any:
 class Loop:
     """Prefill once, then decode steps published like the built-in engine's."""
 
-    def __init__(self, model: Any, batch: int, context: int, device: str) -> None:
+    def __init__(self, model: Any, batch: int, context: int, device: str,
+                 static_len: int = 0) -> None:
         self.model, self.batch, self.device = model, batch, device
         vocab = model.config.vocab_size
         ids = torch.randint(3, vocab, (batch, context), device=device)
+        extra: dict[str, Any] = {}
+        if static_len:  # a preallocated cache: no per-step growth, no allocator stalls
+            from transformers import StaticCache
+
+            extra = {"past_key_values": StaticCache(config=model.config,
+                                                    max_cache_len=static_len),
+                     "cache_position": torch.arange(context, device=device)}
+        self.static = bool(static_len)
         with torch.inference_mode():
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
         self.cache, self.length, self.step = out.past_key_values, context, 0
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -76,9 +85,11 @@ class Loop:
         sync()
         start = CLOCK()
         with torch.inference_mode(), publish(step):
+            where = {"cache_position": torch.tensor([self.length], device=self.device)} \
+                if self.static else {}
             out = self.model(input_ids=self.next, past_key_values=self.cache, use_cache=True,
                              position_ids=torch.full((b, 1), self.length, device=self.device),
-                             logits_to_keep=1)
+                             logits_to_keep=1, **where)
             self.next = out.logits[:, -1].argmax(-1, keepdim=True)
             step.sampled = {f"q{i}": 0 for i in range(b)}
         sync()
@@ -203,6 +214,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    parser.add_argument("--static", action="store_true",
+                        help="a preallocated KV cache (transformers StaticCache): the dynamic "
+                        "cache grows every step and its allocations stall the host at random")
     parser.add_argument("--profile", default="", help="also print the host profile "
                         "(cProfile, top functions) of this variant's steps")
     args = parser.parse_args()
@@ -211,9 +225,11 @@ def main() -> None:
     if args.device == "cpu" and args.threads == 1:
         CLOCK = time.thread_time
     model = build(args)
-    loop = Loop(model, args.batch, args.context, args.device)
     out = Path(tempfile.mkdtemp(prefix="bench-tap-"))
     variants = make_variants(model, out, args.rows)
+    steps = args.rounds * len(variants) * (args.steps + 1) + args.steps + 1
+    loop = Loop(model, args.batch, args.context, args.device,
+                args.context + steps + 8 if args.static else 0)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, variant in variants.items():

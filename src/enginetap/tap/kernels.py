@@ -49,14 +49,14 @@ def available(tensor: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _hash_words(src, out, n_words, row_words, golden, GLOBAL: tl.constexpr,
+    def _hash_words(src, out, n_words, golden, ROW_WORDS: tl.constexpr, GLOBAL: tl.constexpr,
                     BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        base = row * row_words
+        base = row * ROW_WORDS
         acc = tl.zeros([BLOCK], dtype=tl.int64)
-        for start in range(0, row_words, BLOCK):
+        for start in range(0, ROW_WORDS, BLOCK):
             offs = start + tl.arange(0, BLOCK).to(tl.int64)
-            mask = (offs < row_words) & (base + offs < n_words)
+            mask = (offs < ROW_WORDS) & (base + offs < n_words)
             x = tl.load(src + base + offs, mask=mask, other=0).to(tl.int64)
             j = offs + base if GLOBAL else offs
             acc += x * (((j + 1) * golden) | 1)
@@ -81,7 +81,7 @@ def hash_rows_kernel(rows: torch.Tensor) -> torch.Tensor:
     if flat.shape[0]:
         width = flat.shape[1]
         block = min(1024, max(16, triton.next_power_of_2(width)))
-        _hash_words[(flat.shape[0],)](flat, out, flat.numel(), width, GOLDEN_SIGNED,
+        _hash_words[(flat.shape[0],)](flat, out, flat.numel(), GOLDEN_SIGNED, ROW_WORDS=width,
                                       GLOBAL=False, BLOCK=block, num_warps=4)
     return out.view(lead)
 
@@ -95,6 +95,6 @@ def fingerprint_tensor(tensor: torch.Tensor) -> int:
         return 0
     chunks = triton.cdiv(words.numel(), CHUNK_WORDS)
     partial = torch.empty(chunks, dtype=torch.int64, device=tensor.device)
-    _hash_words[(chunks,)](words, partial, words.numel(), CHUNK_WORDS, GOLDEN_SIGNED,
-                           GLOBAL=True, BLOCK=2048, num_warps=8)
+    _hash_words[(chunks,)](words, partial, words.numel(), GOLDEN_SIGNED,
+                           ROW_WORDS=CHUNK_WORDS, GLOBAL=True, BLOCK=2048, num_warps=8)
     return int(partial.sum().item())

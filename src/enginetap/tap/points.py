@@ -55,13 +55,21 @@ def _hidden(args: tuple, kwargs: dict) -> Any:
     return None
 
 
+class ModuleNames(tuple):
+    """A module's precomputed checkpoint names: ``(base, in, out, kind, is_layer)``."""
+
+    __slots__ = ()
+
+
 class CheckpointNames:
     """The checkpoint base name of every module of the loaded models: its scope short
     name, plus ``.core`` where a module's short name equals its parent's (vLLM's
-    ``self_attn.attn`` kernel layer inside ``self_attn``), so names stay unique."""
+    ``self_attn.attn`` kernel layer inside ``self_attn``), so names stay unique. The
+    names a call needs are built once per module, not per call (host time per
+    checkpoint is what a tap costs)."""
 
     def __init__(self) -> None:
-        self._names: WeakKeyDictionary[Any, str] = WeakKeyDictionary()
+        self._names: WeakKeyDictionary[Any, ModuleNames] = WeakKeyDictionary()
 
     def add_model(self, model: Any) -> None:
         shorts = {q: SCOPE.short(m) for q, m in model.named_modules()}
@@ -70,9 +78,16 @@ class CheckpointNames:
             if short is None:
                 continue
             parent = shorts.get(qualname.rpartition(".")[0]) if "." in qualname else None
-            self._names[module] = f"{short}.core" if parent == short else short
+            base = f"{short}.core" if parent == short else short
+            kind = short.rpartition(".")[2]
+            self._names[module] = ModuleNames((base, f"{base}.in", f"{base}.out", kind,
+                                               bool(_LAYER.match(base))))
 
     def get(self, module: Any) -> str | None:
+        found = self._names.get(module)
+        return None if found is None else found[0]
+
+    def entry(self, module: Any) -> ModuleNames | None:
         return self._names.get(module)
 
 
@@ -82,20 +97,21 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
     continuity = recorder.options.continuity
 
     def tap_sublayer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if recorder.step is None:
+        entry = names.entry(instance) if recorder.step is not None else None
+        if entry is None:
             return wrapped(*args, **kwargs)
-        name = names.get(instance)
-        if name is None:
-            return wrapped(*args, **kwargs)
+        name, name_in, name_out, kind, is_layer = entry
         hidden = _hidden(args, kwargs)
-        if every_input or _LAYER.match(name):
-            recorder.checkpoint(f"{name}.in", hidden)
-        kind = name.removesuffix(".core").rpartition(".")[2]
+        if every_input or is_layer:
+            recorder.checkpoint(name_in, hidden)
         if continuity and kind == "gdn":
             _state_points(recorder, name, instance, hidden, kwargs, "before")
         out = wrapped(*args, **kwargs)
-        for suffix, tensor in _outputs(out):
-            recorder.checkpoint(f"{name}.{suffix}", tensor)
+        if isinstance(out, torch.Tensor):
+            recorder.checkpoint(name_out, out)
+        else:
+            for suffix, tensor in _outputs(out):
+                recorder.checkpoint(f"{name}.{suffix}", tensor)
         if continuity and kind == "attn":
             _kv_points(recorder, name, instance, hidden, kwargs)
         elif continuity and kind == "gdn":

@@ -57,6 +57,7 @@ class TapRecorder:
         """Bytes staged and hashed in the last step."""
         self._staging: dict[torch.device, StepStaging] = {}
         self._cuda = torch.cuda.is_available()
+        self._forced = options.force
         self._clear()
 
     def _clear(self) -> None:
@@ -145,7 +146,8 @@ class TapRecorder:
 
     def allowed(self, name: str) -> bool:
         """False (and noted once) inside compile tracing or graph capture unless forced."""
-        if self.options.force or not (torch.compiler.is_compiling() or self._capturing()):
+        if self._forced or not (torch.compiler.is_compiling()
+                                or (self._cuda and torch.cuda.is_current_stream_capturing())):
             return True
         if name not in self.refused:
             self.refused.add(name)
@@ -154,12 +156,10 @@ class TapRecorder:
                            name)
         return False
 
-    def _capturing(self) -> bool:
-        return self._cuda and capturing()
-
     def checkpoint(self, name: str, tensor: Any) -> None:
         """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
-        forward) under ``name``; tensors of another layout are skipped."""
+        forward) under ``name``; tensors of another layout are skipped. Runs once per
+        checkpoint: kept to a few attribute reads and one gather."""
         if self.step is None or not isinstance(tensor, torch.Tensor):
             return
         if tensor.requires_grad:  # only outside inference mode; a view costs little
@@ -168,7 +168,9 @@ class TapRecorder:
         if source is None or not self.allowed(name):
             return
         device = source.device
-        self._staging_for(device).stage(source, self.index(device))
+        staging = self._staging.get(device) or self._staging_for(device)
+        index = self._index.get(("rows", device))
+        staging.stage(source, self.index(device) if index is None else index)
         self.names.append((device, name if name not in self.counts else self._unique(name)))
         self.counts.setdefault(name, 1)
 
