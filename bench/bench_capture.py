@@ -142,6 +142,25 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return table
 
 
+def profile_selected(args: argparse.Namespace) -> None:
+    """Where the host time of a run with every decode step selected goes."""
+    import cProfile
+    import pstats
+
+    model, _ = _model(args)
+    requests = _requests(args, model.config.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = HFEngine.from_loaded(model, arm=_config(Path(tmp), EVERY_DECODE))
+        prof = cProfile.Profile()
+        try:
+            prof.enable()
+            _decode_steps(engine, requests)
+            prof.disable()
+        finally:
+            disarm()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+
+
 def pinned_d2h_gb_per_s(device: str) -> float:
     if device != "cuda":
         return float("nan")
@@ -203,6 +222,9 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=1.0,
                         help="capture's host byte budget: when the writer (disk) falls behind "
                              "by more, selected steps wait for it")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the host profile (cProfile, own time per function) "
+                             "of one run with every decode step selected")
     args = parser.parse_args()
     BUDGET["bytes"] = int(args.budget_gb * (1 << 30))
     if args.threads:
@@ -219,6 +241,8 @@ def main() -> None:
     if bandwidth == bandwidth:
         print(f"pinned device->host bandwidth: {bandwidth:.1f} GB/s; selected-step copy rate "
               f"{table['selected']['copy_gb_per_s'] / bandwidth:.1%} of it")
+    if args.profile:
+        profile_selected(args)
     ours, plain = writer_throughput(args.writer_workloads, 64, 4096)
     print(f"writer: {ours:.0f} workloads/s (64x4096 bf16 in+out) vs plain safetensors files "
           f"{plain:.0f}/s: ratio {ours / plain:.2f}")

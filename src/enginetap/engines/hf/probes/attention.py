@@ -108,12 +108,24 @@ class _Live:
             mask = mask.cpu()  # one transfer per call, not one per request
         self.requests = batch_requests(call)
         self.columns: list[list[int]] = []
+        self.spans: list[slice | list[int]] = []
+        """Per request its live columns as a slice where they are one run (the usual
+        case: a padded batch's live keys are contiguous), so gathering them is a view and
+        not a Python list turned into an index tensor."""
         self.ok = True
         for request in self.requests:
             seen = visible_columns(mask, causal, request.batch_row, q_len, kv_len)
             live, ok = end_aligned(seen, request.columns)
             self.columns.append(live)
+            self.spans.append(_span(live))
             self.ok = self.ok and ok
+
+
+def _span(columns: list[int]) -> slice | list[int]:
+    """``columns`` (increasing) as a slice when they are consecutive."""
+    if columns and columns == list(range(columns[0], columns[-1] + 1)):
+        return slice(columns[0], columns[-1] + 1)
+    return columns
 
 
 def _adapt_prefill(call: ProbeCall) -> Extracted | None:
@@ -126,11 +138,12 @@ def _adapt_prefill(call: ProbeCall) -> Extracted | None:
     notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD rows"]
     k, v = _kv_heads(k, kv_heads, notes, "key"), _kv_heads(v, kv_heads, notes, "value")
     qs, ks, vs, outs, q_lens, kv_lens = [], [], [], [], [], []
-    for request, columns in zip(live.requests, live.columns):
-        qs.append(q[request.batch_row, :, request.columns].transpose(0, 1))
-        outs.append(call.result[request.batch_row, :, request.columns].transpose(0, 1))
-        ks.append(k[request.batch_row, :, columns].transpose(0, 1))
-        vs.append(v[request.batch_row, :, columns].transpose(0, 1))
+    for request, columns, span in zip(live.requests, live.columns, live.spans):
+        queries = _span(request.columns)
+        qs.append(q[request.batch_row, :, queries].transpose(0, 1))
+        outs.append(call.result[request.batch_row, :, queries].transpose(0, 1))
+        ks.append(k[request.batch_row, :, span].transpose(0, 1))
+        vs.append(v[request.batch_row, :, span].transpose(0, 1))
         q_lens.append(len(request.columns))
         kv_lens.append(len(columns))
         notes.append(f"request {request.key}: keys are its live cache columns "
@@ -156,8 +169,8 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
     rows = [r.batch_row for r in live.requests]
     page_size = consts["page_size"]
     pages = pack_pages([len(c) for c in live.columns], page_size)
-    keys = [k[b, :, c].transpose(0, 1) for b, c in zip(rows, live.columns)]
-    values = [v[b, :, c].transpose(0, 1) for b, c in zip(rows, live.columns)]
+    keys = [k[b, :, c].transpose(0, 1) for b, c in zip(rows, live.spans)]
+    values = [v[b, :, c].transpose(0, 1) for b, c in zip(rows, live.spans)]
     notes.append(f"paged cache: the engine's dense padded cache compacted to each request's "
                  f"live columns, packed into fresh {page_size}-token pages numbered in request "
                  "order; unused slots of last pages are zero")

@@ -71,6 +71,8 @@ def batch_requests(call: ProbeCall) -> list[BatchRequest]:
 
 def column_ranges(columns: list[int]) -> str:
     """``[0, 1, 2, 5, 6]`` → ``"0-2,5-6"`` (how notes name original cache columns)."""
+    if len(columns) > 1 and columns == list(range(columns[0], columns[-1] + 1)):
+        return f"{columns[0]}-{columns[-1]}"  # one run: no per-column loop
     parts, start = [], None
     for i, c in enumerate(columns):
         if start is None:
