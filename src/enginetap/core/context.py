@@ -111,12 +111,20 @@ class Step:
     extra: dict[str, Any] = field(default_factory=dict)
     _device: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False,
                                                 compare=False)
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def mode_of(prefill_rows: int, decode_rows: int) -> Mode:
         if prefill_rows and decode_rows:
             return "mixed"
         return "prefill" if prefill_rows else "decode"
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per step and ``key`` (what every layer of one step
+        derives alike, such as the live columns of a shared attention mask)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def device_rows(self, column: str, device: Any) -> Any:
         """Row column ``column`` (e.g. ``"token_index"``) as an int64 tensor on ``device``,

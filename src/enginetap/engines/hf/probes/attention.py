@@ -128,11 +128,20 @@ def _span(columns: list[int]) -> slice | list[int]:
     return columns
 
 
+def _live(call: ProbeCall, q_len: int, kv_len: int) -> _Live:
+    """:class:`_Live` of this call, shared by every layer of the step that attends through
+    the same mask (one analysis per step, not one per layer)."""
+    mask = call.args["attn_mask"]
+    key = ("hf.attention.live", bool(call.args["is_causal"]), q_len, kv_len,
+           None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.dtype))
+    return call.step.memo(key, lambda: _Live(call, q_len, kv_len))
+
+
 def _adapt_prefill(call: ProbeCall) -> Extracted | None:
     assert call.definition is not None
     q, k, v = call.args["query"], call.args["key"], call.args["value"]
     kv_heads = call.definition.const_axes["num_kv_heads"]
-    live = _Live(call, q.shape[2], k.shape[2])
+    live = _live(call, q.shape[2], k.shape[2])
     if not live.ok:
         return None  # a mask the definition cannot describe (sliding window, bidirectional)
     notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD rows"]
@@ -160,7 +169,7 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
     assert call.definition is not None
     q, k, v = call.args["query"], call.args["key"], call.args["value"]
     consts = call.definition.const_axes
-    live = _Live(call, q.shape[2], k.shape[2])
+    live = _live(call, q.shape[2], k.shape[2])
     if not live.ok or any(len(r.columns) != 1 for r in live.requests):
         return None
     notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD"]
