@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from enginetap.capture.pinned import ALIGN, Region, ring_for
+
 __all__ = ["STATS", "CopyStats", "HostCopies", "host_copy"]
 
 
@@ -39,28 +41,63 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class HostCopies:
-    """Host copies of one workload's tensors, with the event that says they landed."""
+    """Host copies of one workload's tensors, with the event that says they landed and,
+    on a GPU, the pinned ring region they sit in (released once written)."""
 
     values: dict[str, Any]
     event: Any = None
     nbytes: int = 0
+    region: Region | None = None
 
     @classmethod
-    def of(cls, values: dict[str, Any]) -> HostCopies:
-        copied, nbytes, device = {}, 0, None
+    def of(cls, values: dict[str, Any], ring_bytes: int = 0) -> HostCopies:
+        """Copy ``values``' tensors out; CUDA tensors go into one region of the process's
+        pinned ring of ``ring_bytes`` when it has room (else fresh pinned memory)."""
+        device = next((v.device for v in values.values()
+                       if isinstance(v, torch.Tensor) and v.is_cuda), None)
+        region = _reserve(values, device, ring_bytes) if device is not None else None
+        copied, nbytes, offset = {}, 0, 0
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
-                device = device or (value.device if value.device.type == "cuda" else None)
-                value = host_copy(value)
+                if region is not None and value.is_cuda:
+                    value, offset = _into(region, offset, value)
+                else:
+                    value = host_copy(value)
                 nbytes += value.numel() * value.element_size()
             copied[name] = value
         event = None
         if device is not None:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        return cls(copied, event, nbytes)
+        return cls(copied, event, nbytes, region)
 
     def wait(self) -> dict[str, Any]:
         if self.event is not None:
             self.event.synchronize()
         return self.values
+
+    def release(self) -> None:
+        """Give the ring region back (after the copies were written or dropped)."""
+        if self.region is not None:
+            self.region.release()
+            self.region = None
+
+
+def _aligned(tensor: torch.Tensor) -> int:
+    return -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+
+
+def _reserve(values: dict[str, Any], device: torch.device, ring_bytes: int) -> Region | None:
+    ring = ring_for(device, ring_bytes)
+    if ring is None:
+        return None
+    return ring.reserve(sum(_aligned(v) for v in values.values()
+                            if isinstance(v, torch.Tensor) and v.is_cuda))
+
+
+def _into(region: Region, offset: int, value: torch.Tensor) -> tuple[torch.Tensor, int]:
+    STATS.tensors += 1
+    STATS.bytes += value.numel() * value.element_size()
+    target = region.take(offset, value.shape, value.dtype)
+    target.copy_(value.detach(), non_blocking=True)
+    return target, offset + _aligned(value)

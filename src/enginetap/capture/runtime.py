@@ -207,8 +207,9 @@ class CaptureRuntime:
             if self.writer is None:  # other ranks took part in the gathers; rank 0 writes
                 return
             facts = self.provenance.facts(call, extracted, variant)
-            item = Item(definition, HostCopies.of(extracted.inputs),
-                        HostCopies.of(extracted.outputs),
+            ring = self.options.budget_bytes  # the pinned ring holds what the budget allows
+            item = Item(definition, HostCopies.of(extracted.inputs, ring),
+                        HostCopies.of(extracted.outputs, ring),
                         lambda: self.provenance.receipt(
                             facts, {k: self.labels.get(k) for k in facts.keys}),
                         lambda why: self._refused(probe, why))

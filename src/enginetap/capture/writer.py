@@ -49,6 +49,11 @@ class Item:
     def nbytes(self) -> int:
         return self.inputs.nbytes + self.outputs.nbytes
 
+    def release(self) -> None:
+        """Give back pinned ring space (written, dropped or refused)."""
+        self.inputs.release()
+        self.outputs.release()
+
 
 @dataclass
 class WriterStats:
@@ -84,11 +89,13 @@ class Writer:
         """Hand ``item`` to the writer; False when it was dropped (counted)."""
         if self.stats.error or self._closed:
             self.stats.dropped_after_error += 1
+            item.release()
             return False
         with self._room:
             if self._held + item.nbytes > self.budget and self._held > 0:
                 if self.when_full == "drop":
                     self.stats.dropped_full += 1
+                    item.release()
                     return False
                 self._room.wait_for(lambda: self._held == 0 or self.stats.error
                                     or self._held + item.nbytes <= self.budget)
@@ -129,6 +136,8 @@ class Writer:
                          "goes on): %s. Fix: %s", self.dataset.root, exc, fix,
                          exc_info=not isinstance(exc, (OSError, DatasetError)))
         finally:
+            for item in items:
+                item.release()
             with self._room:
                 self._held -= sum(i.nbytes for i in items)
                 self._room.notify_all()

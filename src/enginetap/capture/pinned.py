@@ -1,0 +1,115 @@
+"""A ring of pinned host memory that selected calls copy into, reused workload after workload.
+
+Pinning fresh host pages costs more than moving the bytes: on the H200 machine a selected
+decode step copying 567 MB spent most of its time in new pinned allocations, at about
+2.5 GB/s, against 55 GB/s for the copy into memory already pinned. The ring is pinned
+once per device and process (on the first selected call) and handed out in order:
+workloads are written in the order they were copied, so space comes back in the same
+order. A workload released out of order (dropped, refused) is kept until everything
+before it is released. When the ring has no room the caller falls back to a fresh pinned
+allocation; nothing waits here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PinnedRing", "Region", "ring_for"]
+
+ALIGN = 256
+
+
+@dataclass(eq=False)
+class Region:
+    """One workload's bytes in the ring: ``[start, end)``."""
+
+    ring: PinnedRing
+    start: int
+    end: int
+    released: bool = False
+
+    def take(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` at ``offset`` bytes into the region."""
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        at = self.start + offset
+        return self.ring.buffer[at:at + nbytes].view(dtype).view(shape)
+
+    def release(self) -> None:
+        self.ring.release(self)
+
+
+@dataclass
+class PinnedRing:
+    capacity: int
+    pin: bool = True
+    """False only to test the ring's bookkeeping on a machine without a GPU."""
+    buffer: torch.Tensor = field(init=False)
+    _live: deque[Region] = field(default_factory=deque)
+    _head: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin)
+
+    def reserve(self, nbytes: int) -> Region | None:
+        """``nbytes`` of the ring after everything still held, or None if they do not fit."""
+        size = -(-nbytes // ALIGN) * ALIGN
+        with self._lock:
+            start = self._fit(size)
+            if start is None:
+                return None
+            region = Region(self, start, start + size)
+            self._live.append(region)
+            self._head = start + size
+            return region
+
+    def _fit(self, size: int) -> int | None:
+        if size > self.capacity:
+            return None
+        if not self._live:
+            return 0
+        tail = self._live[0].start
+        if self._head > tail:  # held bytes are [tail, head): room after head, or from 0
+            if self._head + size <= self.capacity:
+                return self._head
+            return 0 if size <= tail else None
+        # wrapped: held bytes are [tail, capacity) and [0, head); room is [head, tail)
+        return self._head if self._head + size <= tail else None
+
+    def release(self, region: Region) -> None:
+        with self._lock:
+            region.released = True
+            while self._live and self._live[0].released:
+                self._live.popleft()
+            if not self._live:
+                self._head = 0
+
+    @property
+    def held(self) -> int:
+        """Bytes between the oldest held region and the head (tests, logs)."""
+        with self._lock:
+            return sum(r.end - r.start for r in self._live)
+
+
+_RINGS: dict[str, PinnedRing] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def ring_for(device: torch.device, capacity: int) -> PinnedRing | None:
+    """The process's ring for ``device`` (made on first use with ``capacity`` bytes; a
+    later, larger request does not grow it). None off CUDA or when pinning fails."""
+    if device.type != "cuda" or capacity <= 0:
+        return None
+    key = str(device)
+    with _RINGS_LOCK:
+        ring = _RINGS.get(key)
+        if ring is None:
+            try:
+                ring = _RINGS[key] = PinnedRing(capacity)
+            except RuntimeError:  # the host cannot pin that much: fresh allocations instead
+                return None
+        return ring

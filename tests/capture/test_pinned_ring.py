@@ -1,0 +1,71 @@
+"""The pinned ring hands out space in order, takes it back in order, wraps, refuses what
+does not fit (the caller then pins fresh memory), and keeps out-of-order releases until
+everything before them is released. Bookkeeping only: the buffer is unpinned here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginetap.capture.pinned import ALIGN, PinnedRing
+
+
+def _ring(blocks: int) -> PinnedRing:
+    return PinnedRing(blocks * ALIGN, pin=False)
+
+
+def test_regions_are_consecutive_and_come_back_in_order() -> None:
+    ring = _ring(4)
+    a, b = ring.reserve(ALIGN), ring.reserve(ALIGN + 1)  # b takes two blocks
+    assert (a.start, a.end, b.start, b.end) == (0, ALIGN, ALIGN, 3 * ALIGN)
+    assert ring.reserve(2 * ALIGN) is None  # one block left
+    a.release()
+    c = ring.reserve(ALIGN)
+    assert c is not None and c.start == 3 * ALIGN  # after head first
+    d = ring.reserve(ALIGN)
+    assert d is not None and d.start == 0  # then wraps into what a gave back
+    assert ring.reserve(1) is None  # full: b, c, d held
+    for region in (b, c, d):
+        region.release()
+    assert ring.held == 0 and ring.reserve(4 * ALIGN) is not None
+
+
+def test_an_out_of_order_release_waits_for_the_ones_before_it() -> None:
+    ring = _ring(3)
+    a, b, c = (ring.reserve(ALIGN) for _ in range(3))
+    b.release()  # dropped workload: released before a was written
+    assert ring.held == 3 * ALIGN and ring.reserve(1) is None
+    a.release()
+    assert ring.held == ALIGN  # a and b come back together
+    assert ring.reserve(2 * ALIGN).start == 0
+    c.release()
+
+
+def test_tensors_taken_from_a_region_hold_their_bytes() -> None:
+    ring = _ring(8)
+    region = ring.reserve(2 * ALIGN + 6)
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    y = torch.tensor([1, 2, 3], dtype=torch.int16)
+    tx = region.take(0, x.shape, x.dtype)
+    ty = region.take(2 * ALIGN, y.shape, y.dtype)
+    tx.copy_(x)
+    ty.copy_(y)
+    assert torch.equal(tx, x) and torch.equal(ty, y)
+    assert ring.reserve(8 * ALIGN) is None and ring.reserve(1) is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_land_in_the_ring_and_give_it_back() -> None:
+    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.pinned import ring_for
+
+    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    ids = torch.arange(7, device="cuda", dtype=torch.int32)
+    copies = HostCopies.of({"x": x, "ids": ids, "scale": 0.5}, ring_bytes=1 << 26)
+    ring = ring_for(x.device, 1 << 26)
+    assert copies.region is not None and ring is not None and ring.held > 0
+    got = copies.wait()
+    assert got["x"].is_pinned() and torch.equal(got["x"], x.cpu())
+    assert torch.equal(got["ids"], ids.cpu()) and got["scale"] == 0.5
+    copies.release()
+    assert ring.held == 0
