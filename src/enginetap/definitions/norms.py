@@ -140,7 +140,9 @@ RMSNORM_OFFSET = Template(
         "eps) * (1 + weight)), everything in float32 and one rounding to dtype at the end; "
         "weight is the stored parameter (zero-initialised), 1 + weight is formed in float32. "
         "transformers: Qwen3NextRMSNorm.forward(x) (and GemmaRMSNorm) with self.weight, "
-        "self.eps. Engines agree within a relative 3 * 2^-7 (the rmsnorm family's spread)."),
+        "self.eps. vLLM: GemmaRMSNorm.forward(x) without a residual (Qwen3-Next's "
+        "Qwen3NextRMSNorm), which passes the float32 1 + w to vllm.ir rms_norm as its "
+        "weight. Engines agree within a relative 3 * 2^-7 (the rmsnorm family's spread)."),
     axes=_AXES,
     inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
             "weight": Tensor(("hidden_size",), "{dtype}", "the stored weight w; scale 1 + w"),
@@ -151,7 +153,7 @@ RMSNORM_OFFSET = Template(
     compare={"output": _SPREAD},
     params={"dtype": "bfloat16"},
     choices={"dtype": _DTYPES},
-    engines=("transformers",),
+    engines=("transformers", "vllm"),
     example={"hidden_size": 128},
     example_axes={"batch_size": 5},
     workload_axes=_axes,

@@ -13,16 +13,22 @@ from enginetap.engines.vllm.probes.attention import ATTENTION_PROBES, ATTENTION_
 from enginetap.engines.vllm.probes.gdn import GDN_PROBES, GDN_TARGETS
 from enginetap.engines.vllm.probes.mla import MLA_PROBES, MLA_TARGETS
 from enginetap.engines.vllm.probes.moe import MOE_PROBES, MOE_TARGETS
-from enginetap.engines.vllm.probes.norms import NORM_PROBES, NORM_TARGETS
+from enginetap.engines.vllm.probes.norms import (
+    GEMMA_NORM_PROBES,
+    GEMMA_NORM_TARGETS,
+    NORM_PROBES,
+    NORM_TARGETS,
+)
 
 __all__ = ["GROUPS", "LOCKED_TARGETS", "PROBES"]
 
-PROBES: list[Probe] = [*NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES, *MLA_PROBES]
+PROBES: list[Probe] = [*NORM_PROBES, *GEMMA_NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES, *MLA_PROBES]
 
-LOCKED_TARGETS: tuple[str, ...] = (*NORM_TARGETS, *ATTENTION_TARGETS, *MOE_TARGETS,
+LOCKED_TARGETS: tuple[str, ...] = (*NORM_TARGETS, *GEMMA_NORM_TARGETS, *ATTENTION_TARGETS, *MOE_TARGETS,
                                    *GDN_TARGETS, *MLA_TARGETS)
 
 GROUPS: tuple[tuple[list[Probe], tuple[str, ...]], ...] = (
-    (NORM_PROBES, NORM_TARGETS), (ATTENTION_PROBES, ATTENTION_TARGETS),
+    (NORM_PROBES, NORM_TARGETS), (GEMMA_NORM_PROBES, GEMMA_NORM_TARGETS),
+    (ATTENTION_PROBES, ATTENTION_TARGETS),
     (MOE_PROBES, MOE_TARGETS), (GDN_PROBES, GDN_TARGETS), (MLA_PROBES, MLA_TARGETS))
 """Each probe group with the engine sources it relies on: a drift refuses the group."""

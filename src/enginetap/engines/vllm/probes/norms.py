@@ -1,11 +1,16 @@
 """RMSNorm and fused add+RMSNorm: ``RMSNorm.forward(x, residual=None)``.
 
 vLLM's norms are CustomOps that pick their implementation when built, so the probe wraps
-the class's ``forward``. Gemma-style norms (``GemmaRMSNorm``: Qwen3-Next) are not probed:
-they scale by a float32 ``1 + w`` that no bfloat16 weight of the rmsnorm families holds.
-With a residual the fused kernel may update ``x`` and ``residual`` in place: both are
-snapshotted before the call. Norm weights are replicated
-under TP, so rank 0's call is the logical one.
+the class's ``forward``. With a residual the fused kernel may update ``x`` and ``residual``
+in place: both are snapshotted before the call. Norm weights are replicated under TP, so
+rank 0's call is the logical one.
+
+Gemma-style norms (``GemmaRMSNorm``, Qwen3-Next's ``Qwen3NextRMSNorm``) scale by ``1 + w``
+formed in float32 and pass it to vLLM's ``rms_norm`` as a float32 weight, so the product
+is float32 and rounded once: the ``rmsnorm_offset`` family, whose ``weight`` input is the
+stored ``w``. Called with a residual (every decoder layer after the first) they run a
+fused add with the same float32 weight, which no family describes yet: those calls are
+not captured (the probe's definition step declines them, counted in the summary).
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.dataset.schema import Definition
 from enginetap.engines.vllm.probes.common import DTYPES, instantiate, is_writer, other_rank
 
-__all__ = ["NORM_PROBES", "NORM_TARGETS"]
+__all__ = ["GEMMA_NORM_PROBES", "GEMMA_NORM_TARGETS", "NORM_PROBES", "NORM_TARGETS"]
 
 _LAYERNORM = "vllm.model_executor.layers.layernorm"
 NORM_TARGETS = (f"{_LAYERNORM}:RMSNorm.forward", f"{_LAYERNORM}:RMSNorm.forward_native")
+GEMMA_NORM_TARGETS = (f"{_LAYERNORM}:GemmaRMSNorm.forward",
+                      f"{_LAYERNORM}:GemmaRMSNorm.forward_native")
+"""``forward_native`` holds the float32 ``1 + w`` the family relies on (vllm.ir's
+``rms_norm`` is an op object with no pinnable source; replay checks its numerics)."""
 
 
 def _plain(module: Any) -> bool:
@@ -89,4 +98,36 @@ NORM_PROBES = [
           target=NORM_TARGETS[0], before=_before, description="RMSNorm.forward(x)"),
     Probe("vllm.rmsnorm.fused_add", "fused_add_rmsnorm", lambda c: _define(c, True), _adapt,
           target=NORM_TARGETS[0], before=_before, description="RMSNorm.forward(x, residual)"),
+]
+
+
+def _define_offset(call: ProbeCall) -> Definition | None:
+    x, residual = _bind(call)
+    weight = getattr(call.instance, "weight", None)
+    if residual is not None or x is None or weight is None or weight.dim() != 1:
+        return None
+    dtype = DTYPES.get(x.dtype)
+    if dtype is None or x.shape[-1] != weight.shape[0] or DTYPES.get(weight.dtype) != dtype:
+        return None
+    return instantiate("rmsnorm_offset", hidden_size=int(weight.shape[0]), dtype=dtype)
+
+
+def _adapt_offset(call: ProbeCall) -> Extracted:
+    if not is_writer(call):
+        return other_rank()
+    x, _ = _bind(call)
+    width = x.shape[-1]
+    notes = ["weight: the stored w; the engine scales by float32 1 + w (rounded once)"]
+    if x.dim() > 2:
+        notes.append(f"per-head norm: {x.shape[-2]} heads per token flattened into rows")
+    inputs = {"hidden_states": x.detach().reshape(-1, width),
+              "weight": call.instance.weight.detach(),
+              "eps": float(call.instance.variance_epsilon)}
+    return Extracted(inputs, {"output": call.result.reshape(-1, width)}, notes)
+
+
+GEMMA_NORM_PROBES = [
+    Probe("vllm.gemma_rmsnorm", "rmsnorm_offset", _define_offset, _adapt_offset,
+          target=GEMMA_NORM_TARGETS[0],
+          description="GemmaRMSNorm.forward(x) (Qwen3-Next's norms), without a residual"),
 ]
