@@ -32,9 +32,10 @@ MODELS = ("llama", "qwen3_next", "deepseek_v3")
 
 EXPECTED = {
     "llama": {"rmsnorm", "fused_add_rmsnorm", "gqa_ragged_prefill", "gqa_paged_decode"},
-    # Qwen3-Next's norms are Gemma-style (1 + w): rmsnorm_offset (without a residual).
-    "qwen3_next": {"rmsnorm_offset", "gqa_ragged_prefill", "gqa_paged_decode", "moe_topk_softmax",
-                   "moe_experts_swiglu", "gdn_prefill", "gdn_decode"},
+    # Qwen3-Next's norms are Gemma-style (1 + w): the offset families.
+    "qwen3_next": {"rmsnorm_offset", "fused_add_rmsnorm_offset", "gqa_ragged_prefill",
+                   "gqa_paged_decode", "moe_topk_softmax", "moe_experts_swiglu", "gdn_prefill",
+                   "gdn_decode"},
     "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "moe_topk_grouped_sigmoid",
                     "moe_experts_swiglu", "mla_paged_decode"},
 }

@@ -25,10 +25,11 @@ def _rms64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight
 
 
-def _case(family: str, dtype: str, seed: int, rounding: str = "twice", rows: int = 7,
+def _case(family: str, dtype: str, seed: int, rounding: str | None = "twice", rows: int = 7,
           hidden: int = 96):
     template = get_template(family)
-    definition = template.instantiate(hidden_size=hidden, dtype=dtype, rounding=rounding)
+    params = {} if family.endswith("_offset") else {"rounding": rounding}
+    definition = template.instantiate(hidden_size=hidden, dtype=dtype, **params)
     inputs = template.synthetic_inputs(definition, {"batch_size": rows}, seed=seed)
     return definition, inputs, compile_reference(definition.reference, definition.name)
 
@@ -104,6 +105,31 @@ def test_twice_is_vllm_cpu_rmsnorm_layer_bit_for_bit() -> None:
             engine_fused = norm(fused["hidden_states"].clone(), fused["residual"].clone())
     assert torch.equal(run_plain(**plain), engine_plain)
     for ours, engine in zip(run_fused(**fused), engine_fused, strict=True):
+        assert torch.equal(ours, engine)
+
+
+def test_offset_families_are_vllm_cpu_gemma_rmsnorm_layer_bit_for_bit() -> None:
+    """vLLM 0.32 CPU's GemmaRMSNorm.forward (Qwen3-Next's norms), plain and with a residual,
+    is what rmsnorm_offset and fused_add_rmsnorm_offset compute, bit for bit."""
+    layernorm = pytest.importorskip("vllm.model_executor.layers.layernorm",
+                                    reason="vLLM is not installed")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    _, plain, run_plain = _case("rmsnorm_offset", "bfloat16", seed=16, hidden=128)
+    _, fused, run_fused = _case("fused_add_rmsnorm_offset", "bfloat16", seed=17, hidden=128)
+    config = VllmConfig()
+    with set_current_vllm_config(config), config.kernel_config.ir_op_priority.set_priority():
+        norm = layernorm.GemmaRMSNorm(128, eps=plain["eps"]).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(plain["weight"] - 1)  # a stored w around 0, as trained
+            engine_plain = norm(plain["hidden_states"])
+            ours_plain = run_plain(plain["hidden_states"], norm.weight, plain["eps"])
+            norm.weight.copy_(fused["weight"] - 1)
+            engine_fused = norm(fused["hidden_states"].clone(), fused["residual"].clone())
+            ours_fused = run_fused(fused["hidden_states"], fused["residual"], norm.weight,
+                                   fused["eps"])
+    assert torch.equal(ours_plain, engine_plain)
+    for ours, engine in zip(ours_fused, engine_fused, strict=True):
         assert torch.equal(ours, engine)
 
 

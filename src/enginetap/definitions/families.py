@@ -11,7 +11,12 @@ from enginetap.definitions.dsa import INDEXER_TOPK, SPARSE_MLA
 from enginetap.definitions.gdn import GDN_DECODE, GDN_PREFILL
 from enginetap.definitions.mla import MLA_PAGED_DECODE
 from enginetap.definitions.moe import EXPERTS_SWIGLU, TOPK_GROUPED_SIGMOID, TOPK_SOFTMAX
-from enginetap.definitions.norms import FUSED_ADD_RMSNORM, RMSNORM, RMSNORM_OFFSET
+from enginetap.definitions.norms import (
+    FUSED_ADD_RMSNORM,
+    FUSED_ADD_RMSNORM_OFFSET,
+    RMSNORM,
+    RMSNORM_OFFSET,
+)
 from enginetap.definitions.router_v4 import TOPK_SQRTSOFTPLUS, TOPK_SQRTSOFTPLUS_HASH
 from enginetap.definitions.seeded_mla import MLA_DECODE_FP8_FP4_SINK, SPARSE_MLA_PREFILL_SINK
 from enginetap.definitions.seeded_moe import MOE_GROUPED_GEMM_FP8_FP4
@@ -38,6 +43,7 @@ FAMILIES: tuple[Template, ...] = (
     RMSNORM,
     RMSNORM_OFFSET,
     FUSED_ADD_RMSNORM,
+    FUSED_ADD_RMSNORM_OFFSET,
     GQA_RAGGED_PREFILL,
     GQA_PAGED_DECODE,
     MLA_PAGED_DECODE,

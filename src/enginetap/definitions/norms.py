@@ -1,4 +1,5 @@
-"""Normalisation families: ``rmsnorm`` and ``fused_add_rmsnorm``.
+"""Normalisation families: ``rmsnorm``, ``fused_add_rmsnorm`` and their Gemma-style
+(scale by ``1 + w``) forms ``rmsnorm_offset``, ``fused_add_rmsnorm_offset``.
 
 Where an RMSNorm rounds to the activation dtype is part of its semantics, so it is a
 parameter and part of the name (``rounding``):
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
     from enginetap.dataset.schema import Definition
 
-__all__ = ["FUSED_ADD_RMSNORM", "RMSNORM", "RMSNORM_OFFSET"]
+__all__ = ["FUSED_ADD_RMSNORM", "FUSED_ADD_RMSNORM_OFFSET", "RMSNORM", "RMSNORM_OFFSET"]
 
 _EPS = 1e-6
 _ROUNDING = ("twice", "once")
@@ -189,6 +190,39 @@ FUSED_ADD_RMSNORM = Template(
     compare={"output": _SPREAD, "residual_out": _SPREAD},
     params={"dtype": "bfloat16", "rounding": "twice"},
     choices={"dtype": _DTYPES, "rounding": _ROUNDING},
+    engines=("vllm",),
+    example={"hidden_size": 128},
+    example_axes={"batch_size": 5},
+    workload_axes=_axes,
+)
+
+FUSED_ADD_RMSNORM_OFFSET = Template(
+    family="fused_add_rmsnorm_offset",
+    op_type="rmsnorm",
+    name="fused_add_rmsnorm_offset_h{hidden_size}_{dtype}",
+    description=(
+        "Residual add then Gemma-style RMSNorm: s = hidden_states + residual in float32; "
+        "residual_out = s rounded to dtype; output = round(s * rsqrt(mean(s^2) + eps) * "
+        "(1 + weight)), the float32 s normalised, 1 + weight formed in float32, one rounding. "
+        "weight is the stored parameter w. vLLM: GemmaRMSNorm.forward(x, residual) "
+        "(Qwen3-Next's Qwen3NextRMSNorm in every decoder layer after the first), which "
+        "passes the float32 1 + w to vllm.ir fused_add_rms_norm as its weight; x -> "
+        "hidden_states, residual -> residual; returns (output, residual_out). transformers "
+        "adds in dtype and calls the plain norm, so only vLLM runs this family. Engines "
+        "agree within a relative 3 * 2^-7 (the rmsnorm families' spread)."),
+    axes=_AXES,
+    inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
+            "residual": Tensor(("batch_size", "hidden_size"), "{dtype}"),
+            "weight": Tensor(("hidden_size",), "{dtype}", "the stored weight w; scale 1 + w"),
+            "eps": Tensor(None, "float32", "variance epsilon")},
+    outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}", "normalised sum"),
+             "residual_out": Tensor(("batch_size", "hidden_size"), "{dtype}",
+                                    "hidden_states + residual, the next layer's residual")},
+    reference="fused_add_rmsnorm_offset.py",
+    generate=_generate_fused_add,
+    compare={"output": _SPREAD, "residual_out": _SPREAD},
+    params={"dtype": "bfloat16"},
+    choices={"dtype": _DTYPES},
     engines=("vllm",),
     example={"hidden_size": 128},
     example_axes={"batch_size": 5},

@@ -8,9 +8,8 @@ rank 0's call is the logical one.
 Gemma-style norms (``GemmaRMSNorm``, Qwen3-Next's ``Qwen3NextRMSNorm``) scale by ``1 + w``
 formed in float32 and pass it to vLLM's ``rms_norm`` as a float32 weight, so the product
 is float32 and rounded once: the ``rmsnorm_offset`` family, whose ``weight`` input is the
-stored ``w``. Called with a residual (every decoder layer after the first) they run a
-fused add with the same float32 weight, which no family describes yet: those calls are
-not captured (the probe's definition step declines them, counted in the summary).
+stored ``w``; called with a residual (every decoder layer after the first),
+``fused_add_rmsnorm_offset``.
 """
 
 from __future__ import annotations
@@ -101,33 +100,34 @@ NORM_PROBES = [
 ]
 
 
-def _define_offset(call: ProbeCall) -> Definition | None:
+def _define_offset(call: ProbeCall, fused: bool) -> Definition | None:
     x, residual = _bind(call)
     weight = getattr(call.instance, "weight", None)
-    if residual is not None or x is None or weight is None or weight.dim() != 1:
+    if (residual is not None) != fused or x is None or weight is None or weight.dim() != 1:
         return None
     dtype = DTYPES.get(x.dtype)
     if dtype is None or x.shape[-1] != weight.shape[0] or DTYPES.get(weight.dtype) != dtype:
         return None
-    return instantiate("rmsnorm_offset", hidden_size=int(weight.shape[0]), dtype=dtype)
+    family = "fused_add_rmsnorm_offset" if fused else "rmsnorm_offset"
+    return instantiate(family, hidden_size=int(weight.shape[0]), dtype=dtype)
 
 
 def _adapt_offset(call: ProbeCall) -> Extracted:
-    if not is_writer(call):
-        return other_rank()
-    x, _ = _bind(call)
-    width = x.shape[-1]
-    notes = ["weight: the stored w; the engine scales by float32 1 + w (rounded once)"]
-    if x.dim() > 2:
-        notes.append(f"per-head norm: {x.shape[-2]} heads per token flattened into rows")
-    inputs = {"hidden_states": x.detach().reshape(-1, width),
-              "weight": call.instance.weight.detach(),
-              "eps": float(call.instance.variance_epsilon)}
-    return Extracted(inputs, {"output": call.result.reshape(-1, width)}, notes)
+    """As :func:`_adapt`, with the stored ``w`` as the weight (no cast: it is what the
+    family takes, and the engine forms ``1 + w`` in float32 from it)."""
+    extracted = _adapt(call)
+    if "weight" in extracted.inputs:  # rank 0 (other ranks return no inputs)
+        extracted.inputs["weight"] = call.instance.weight.detach()
+        extracted.notes.append("weight: the stored w; the engine scales by float32 1 + w "
+                               "(rounded once)")
+    return extracted
 
 
 GEMMA_NORM_PROBES = [
-    Probe("vllm.gemma_rmsnorm", "rmsnorm_offset", _define_offset, _adapt_offset,
-          target=GEMMA_NORM_TARGETS[0],
-          description="GemmaRMSNorm.forward(x) (Qwen3-Next's norms), without a residual"),
+    Probe("vllm.gemma_rmsnorm", "rmsnorm_offset", lambda c: _define_offset(c, False),
+          _adapt_offset, target=GEMMA_NORM_TARGETS[0], before=_before,
+          description="GemmaRMSNorm.forward(x) (Qwen3-Next's norms)"),
+    Probe("vllm.gemma_rmsnorm.fused_add", "fused_add_rmsnorm_offset",
+          lambda c: _define_offset(c, True), _adapt_offset, target=GEMMA_NORM_TARGETS[0],
+          before=_before, description="GemmaRMSNorm.forward(x, residual)"),
 ]
