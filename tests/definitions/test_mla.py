@@ -80,3 +80,45 @@ def test_mla_decode_matches_vllm_cpu_kernel() -> None:
     query = torch.cat([inputs["q_nope"], inputs["q_pe"]], dim=-1).contiguous()
     ops.mla_decode_kvcache_cpu(engine, query, kv_cache, inputs["sm_scale"], table, seq_lens.int())
     torch.testing.assert_close(run(**inputs)[0], engine, atol=ENGINE_ATOL, rtol=ENGINE_RTOL)
+
+
+def _reference(family: str, **consts):
+    definition = get_template(family).instantiate(**consts)
+    return definition, compile_reference(definition.reference, definition.name)
+
+
+def test_prefill_rows_are_decodes_of_each_prefix() -> None:
+    """Causal prefill row i of a request is the decode of that request's first L - n + i + 1
+    tokens: the prefill reference, run once, equals the decode reference run per row."""
+    consts = {"num_qo_heads": 4, "head_dim_ckv": 64, "head_dim_kpe": 16, "page_size": 4}
+    template = get_template("mla_paged_prefill")
+    prefill, run_prefill = _reference("mla_paged_prefill", **consts)
+    _, run_decode = _reference("mla_paged_decode", **consts)
+    axes = template.axes_for(prefill.const_axes, 0)  # two requests, cached prefixes
+    inputs = template.synthetic_inputs(prefill, axes, seed=3)
+    output, lse = run_prefill(**inputs)
+    qo, kv = inputs["qo_indptr"].tolist(), inputs["kv_indptr"].tolist()
+    last = inputs["kv_last_page_len"].tolist()
+    checked = 0
+    for b in range(len(qo) - 1):
+        pages = inputs["kv_indices"][kv[b]:kv[b + 1]]
+        length = (len(pages) - 1) * 4 + last[b]
+        n = qo[b + 1] - qo[b]
+        for i in range(n):
+            seen = length - n + i + 1
+            count = -(-seen // 4)
+            row = qo[b] + i
+            out_d, lse_d = run_decode(
+                inputs["q_nope"][row:row + 1], inputs["q_pe"][row:row + 1],
+                inputs["ckv_cache"], inputs["kpe_cache"],
+                torch.tensor([0, count], dtype=torch.int32), pages[:count],
+                torch.tensor([seen - (count - 1) * 4], dtype=torch.int32), inputs["sm_scale"])
+            # one row's matmul may sum in another order than n rows' (BLAS blocking): the
+            # float32 results can differ in the last bits and flip one bf16 rounding
+            torch.testing.assert_close(out_d[0].float(), output[row].float(),
+                                       rtol=2.0 ** -7, atol=1e-6)
+            torch.testing.assert_close(lse_d[0], lse[row], rtol=1e-5, atol=1e-5)
+            checked += 1
+    assert checked == axes["total_q"] and any(
+        (len(inputs["kv_indices"][kv[b]:kv[b + 1]]) - 1) * 4 + last[b] > qo[b + 1] - qo[b]
+        for b in range(len(qo) - 1))  # some request had a cached prefix

@@ -9,7 +9,7 @@ from __future__ import annotations
 from enginetap.definitions.attention import GQA_PAGED_DECODE, GQA_RAGGED_PREFILL
 from enginetap.definitions.dsa import INDEXER_TOPK, SPARSE_MLA
 from enginetap.definitions.gdn import GDN_DECODE, GDN_PREFILL
-from enginetap.definitions.mla import MLA_PAGED_DECODE
+from enginetap.definitions.mla import MLA_PAGED_DECODE, MLA_PAGED_PREFILL
 from enginetap.definitions.moe import EXPERTS_SWIGLU, TOPK_GROUPED_SIGMOID, TOPK_SOFTMAX
 from enginetap.definitions.norms import (
     FUSED_ADD_RMSNORM,
@@ -47,6 +47,7 @@ FAMILIES: tuple[Template, ...] = (
     GQA_RAGGED_PREFILL,
     GQA_PAGED_DECODE,
     MLA_PAGED_DECODE,
+    MLA_PAGED_PREFILL,
     INDEXER_TOPK,
     SPARSE_MLA,
     GDN_PREFILL,

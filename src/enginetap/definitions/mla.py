@@ -1,4 +1,5 @@
-"""Multi-head latent attention family: ``mla_paged_decode`` (DeepSeek-V2/V3, absorbed form).
+"""Multi-head latent attention families: ``mla_paged_decode`` and ``mla_paged_prefill``
+(DeepSeek-V2/V3, absorbed form).
 
 In the absorbed form the up-projections are folded into the query and the output, so every
 head attends the shared latent cache: keys are ``[ckv, kpe]`` and values are ``ckv``.
@@ -11,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from enginetap.definitions.attention import (
     PAGED_CONTRACT,
+    indptr,
     paged_axes,
     paged_layout,
     random_input,
+    split_lengths,
 )
 from enginetap.definitions.base import Template, Tensor, const, var
 
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 
     from enginetap.dataset.schema import Definition
 
-__all__ = ["MLA_PAGED_DECODE"]
+__all__ = ["MLA_PAGED_DECODE", "MLA_PAGED_PREFILL"]
 
 
 def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
@@ -80,4 +83,98 @@ MLA_PAGED_DECODE = Template(
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},
     example_axes={"batch_size": 3, "len_indptr": 4, "num_pages": 12, "num_kv_indices": 7},
     workload_axes=paged_axes,
+)
+
+
+def _generate_prefill(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
+                      device: str) -> dict[str, Any]:
+    """Random pages (every request has some), then ``total_q`` queries split so that each
+    request gets 1..its token count (a cached prefix is what remains)."""
+    import torch
+
+    from enginetap.errors import DefinitionError
+
+    consts, batch = definition.const_axes, axes["batch_size"]
+    page_size = consts["page_size"]
+    pages = split_lengths(axes["num_kv_indices"], batch, gen, device)
+    last = torch.randint(1, page_size + 1, (batch,), generator=gen, device=device)
+    lengths = [(p - 1) * page_size + int(n) for p, n in zip(pages, last.tolist())]
+    queries, spare = [1] * batch, axes["total_q"] - batch
+    if spare < 0 or spare > sum(lengths) - batch:
+        raise DefinitionError("inconsistent var axes", f"total_q={axes['total_q']} for "
+                              f"{batch} requests of {lengths} tokens",
+                              "give each request 1..its token count of queries")
+    for b in torch.randperm(batch, generator=gen, device=device).tolist():
+        take = min(spare, lengths[b] - 1)
+        queries[b], spare = queries[b] + take, spare - take
+    chosen = torch.randperm(axes["num_pages"], generator=gen, device=device)
+    names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
+    tensors = {n: random_input(definition, n, axes, gen, device) for n in names}
+    scale = (consts["head_dim_ckv"] + consts["head_dim_kpe"]) ** -0.5
+    return {**tensors, "qo_indptr": indptr(queries, device),
+            "kv_indptr": indptr(pages, device),
+            "kv_indices": chosen[:axes["num_kv_indices"]].to(torch.int32),
+            "kv_last_page_len": last.to(torch.int32), "sm_scale": scale}
+
+
+def _prefill_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
+    """A long prefill with a cached prefix, several short ones, one request of one token;
+    enough pages for the queries at any page size (prefixes are what the pages hold
+    beyond them)."""
+    batch, total_q, prefix = ((2, 40, 30), (4, 9, 20), (1, 1, 0), (3, 100, 5))[index % 4]
+    used = batch + -(-(total_q + prefix) // consts["page_size"])
+    return {"batch_size": batch, "len_indptr": batch + 1, "total_q": total_q,
+            "num_pages": used + 3, "num_kv_indices": used}
+
+
+MLA_PAGED_PREFILL = Template(
+    family="mla_paged_prefill",
+    op_type="mla_paged",
+    name="mla_paged_prefill_causal_h{num_qo_heads}_ckv{head_dim_ckv}_kpe{head_dim_kpe}"
+         "_ps{page_size}_{dtype}",
+    description=(
+        "Absorbed MLA prefill (causal, prefix-aware) over a paged latent cache: logits = "
+        "sm_scale * (q_nope.ckv + q_pe.kpe), output = softmax(logits) @ ckv, lse in base 2. "
+        "Request b owns query rows qo_indptr[b]:qo_indptr[b+1] and pages "
+        "kv_indices[kv_indptr[b]:kv_indptr[b+1]] (the last holding kv_last_page_len[b] "
+        "tokens, which include its new tokens); its n queries are its last n tokens and "
+        "query i attends its first L - n + i + 1 tokens. vLLM CPU on AMX machines: "
+        "AMXMLAImpl.forward_mha (v1/attention/backends/mla/amx_mla.py) absorbs W_UK into "
+        "the query and calls ops.cpu_mla_extend(q_extend, k_extend, v_extend, o_extend, "
+        "k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_seq_lens, "
+        "extend_start_loc, ...): q_extend[..., :head_dim_ckv] -> q_nope, the rest -> q_pe; "
+        "each request's cached prefix (k_buffer rows at req_to_token) followed by its new "
+        "tokens (k_extend) -> pages of ckv_cache / kpe_cache; o_extend -> output (no lse). "
+        "W_UV is applied after, outside this op."),
+    axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
+          "total_q": var("query tokens of all requests"),
+          "num_pages": var("pages in the cache"), "num_kv_indices": var("pages in use"),
+          "num_qo_heads": const("query heads (per rank)"),
+          "head_dim_ckv": const("latent (kv_lora_rank) size"),
+          "head_dim_kpe": const("rope key size (qk_rope_head_dim)"),
+          "page_size": const("tokens per page")},
+    inputs={"q_nope": Tensor(("total_q", "num_qo_heads", "head_dim_ckv"), "{dtype}",
+                             "query in latent space (W_UK absorbed)"),
+            "q_pe": Tensor(("total_q", "num_qo_heads", "head_dim_kpe"), "{dtype}",
+                           "rotary part of the query"),
+            "ckv_cache": Tensor(("num_pages", "page_size", "head_dim_ckv"), "{dtype}"),
+            "kpe_cache": Tensor(("num_pages", "page_size", "head_dim_kpe"), "{dtype}"),
+            "qo_indptr": Tensor(("len_indptr",), "int32", "query row offsets per request"),
+            "kv_indptr": Tensor(("len_indptr",), "int32", "page offsets per request"),
+            "kv_indices": Tensor(("num_kv_indices",), "int32", "page ids, in token order"),
+            "kv_last_page_len": Tensor(("batch_size",), "int32", "tokens in each last page"),
+            "sm_scale": Tensor(None, "float32", "softmax scale of the un-absorbed head size")},
+    outputs={"output": Tensor(("total_q", "num_qo_heads", "head_dim_ckv"), "{dtype}",
+                              "attention output in latent space (before W_UV)"),
+             "lse": Tensor(("total_q", "num_qo_heads"), "float32", "log-sum-exp, base 2")},
+    reference="mla_paged_prefill.py",
+    generate=_generate_prefill,
+    params={"dtype": "bfloat16"},
+    choices={"dtype": ("bfloat16", "float16", "float32")},
+    constraints=("len_indptr == batch_size + 1",),
+    engines=("vllm",),
+    example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},
+    example_axes={"batch_size": 2, "len_indptr": 3, "total_q": 40, "num_pages": 10,
+                  "num_kv_indices": 6},
+    workload_axes=_prefill_axes,
 )

@@ -11,7 +11,12 @@ from __future__ import annotations
 from enginetap.capture.probe import Probe
 from enginetap.engines.vllm.probes.attention import ATTENTION_PROBES, ATTENTION_TARGETS
 from enginetap.engines.vllm.probes.gdn import GDN_PROBES, GDN_TARGETS
-from enginetap.engines.vllm.probes.mla import MLA_PROBES, MLA_TARGETS
+from enginetap.engines.vllm.probes.mla import (
+    MLA_PREFILL_PROBES,
+    MLA_PREFILL_TARGETS,
+    MLA_PROBES,
+    MLA_TARGETS,
+)
 from enginetap.engines.vllm.probes.moe import MOE_PROBES, MOE_TARGETS
 from enginetap.engines.vllm.probes.norms import (
     GEMMA_NORM_PROBES,
@@ -22,13 +27,16 @@ from enginetap.engines.vllm.probes.norms import (
 
 __all__ = ["GROUPS", "LOCKED_TARGETS", "PROBES"]
 
-PROBES: list[Probe] = [*NORM_PROBES, *GEMMA_NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES, *MLA_PROBES]
+PROBES: list[Probe] = [*NORM_PROBES, *GEMMA_NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES,
+                       *GDN_PROBES, *MLA_PROBES, *MLA_PREFILL_PROBES]
 
-LOCKED_TARGETS: tuple[str, ...] = (*NORM_TARGETS, *GEMMA_NORM_TARGETS, *ATTENTION_TARGETS, *MOE_TARGETS,
-                                   *GDN_TARGETS, *MLA_TARGETS)
+LOCKED_TARGETS: tuple[str, ...] = (*NORM_TARGETS, *GEMMA_NORM_TARGETS, *ATTENTION_TARGETS,
+                                   *MOE_TARGETS, *GDN_TARGETS, *MLA_TARGETS,
+                                   *MLA_PREFILL_TARGETS)
 
 GROUPS: tuple[tuple[list[Probe], tuple[str, ...]], ...] = (
     (NORM_PROBES, NORM_TARGETS), (GEMMA_NORM_PROBES, GEMMA_NORM_TARGETS),
     (ATTENTION_PROBES, ATTENTION_TARGETS),
-    (MOE_PROBES, MOE_TARGETS), (GDN_PROBES, GDN_TARGETS), (MLA_PROBES, MLA_TARGETS))
+    (MOE_PROBES, MOE_TARGETS), (GDN_PROBES, GDN_TARGETS), (MLA_PROBES, MLA_TARGETS),
+    (MLA_PREFILL_PROBES, MLA_PREFILL_TARGETS))
 """Each probe group with the engine sources it relies on: a drift refuses the group."""
