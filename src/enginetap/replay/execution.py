@@ -172,8 +172,9 @@ def _save(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 # ----------------------------------------------------------------------- in the child
 
-_LOADED: dict[str, tuple[Callable[..., Any], str]] = {}
-"""Loaded functions by key: the function and its kind (``candidate`` or ``reference``)."""
+_LOADED: dict[str, tuple[Any, str]] = {}
+"""Loaded functions by key: the function and its kind (``candidate`` or ``reference``), or a
+:class:`BuiltinSolution` (``builtin``) that makes the function per definition."""
 
 
 def serve(message: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +188,12 @@ def _load(message: dict[str, Any]) -> dict[str, Any]:
     from enginetap.definitions.base import compile_reference
     from enginetap.errors import EnginetapError
 
-    if message.get("solution") is not None:
+    from enginetap.replay.builtin import builtin_named
+
+    builtin = builtin_named(message.get("solution") or "")
+    if builtin is not None:
+        _LOADED[message["key"]] = (builtin, "builtin")
+    elif message.get("solution") is not None:
         try:
             _LOADED[message["key"]] = (load_solution(message["solution"]), "candidate")
         except EnginetapError as exc:
@@ -207,6 +213,8 @@ def _call(message: dict[str, Any]) -> dict[str, Any]:
     inputs = {name: tensors[name] if name in tensors else message["scalars"][name]
               for name in definition.inputs}
     function, kind = _LOADED[message["key"]]
+    if kind == "builtin":  # the library's adapter for this definition, imported on first use
+        function = function.adapter(definition)
     plan = (CallPlan.for_function(function, definition) if kind == "candidate"
             else CallPlan(definition))
     called = _run(function, plan, inputs, message["axes"],

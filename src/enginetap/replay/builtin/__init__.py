@@ -50,8 +50,8 @@ class BuiltinSolution:
         """Why this solution cannot run ``definition`` on ``device`` (None: it can)."""
         family = family_of(definition)
         if family not in self.adapters:
-            return (f"{self.name} covers {', '.join(self.adapters)}, not "
-                    f"{family or 'a definition without a family tag'}")
+            return (f"no adapter for {family or 'a definition without a family tag'} "
+                    "(--list-solutions shows what each covers)")
         kind = "cuda" if device.startswith("cuda") else device
         if kind not in self.devices:
             return f"{self.name} runs on {'/'.join(self.devices)} only; this replay runs on {device}"
