@@ -52,3 +52,9 @@ def into(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
 def into_all_but_last_row(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
                           output: torch.Tensor) -> None:
     output[:-1].copy_(_rmsnorm(hidden_states[:-1], weight, eps))
+
+
+def exiting(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    import os
+
+    os._exit(3)  # as a crashed CUDA context or a segfault ends the process: no exception
