@@ -1,9 +1,13 @@
 """Built-in solutions' adapters against the definitions' references, on the CPU.
 
-torch:sdpa and torch:flex run here as they are. fla's Triton kernels need a GPU: their
-adapters are checked with fla's own pure-torch naive recurrence standing in for the kernel,
-behind the kernel's keyword signature (GVA, in-kernel L2 norm, ``cu_seqlens``), so that the
-conversions (batch dimension, head grouping, state layout, scale, dtypes) meet the reference.
+torch:sdpa and torch:flex run here as they are. fla's Triton kernels need a GPU (and fla is
+not installed in CI: transformers' Qwen3-Next would pick its Triton kernels on the CPU), so
+their adapters are checked with a token-by-token float32 recurrence standing in for the
+kernel, behind the kernel's keyword signature and its documented contract (``[B, T, H, D]``,
+GVA with value head ``h`` reading q/k head ``h // (HV // H)``, in-kernel L2 norm with eps
+1e-6, ``cu_seqlens`` int64 with ``B = 1``, states ``[N, HV, K, V]`` float32, a float scale),
+so that the conversions (batch dimension, head grouping, state layout, scale, dtypes) meet
+the reference.
 Tolerances are the families' own compare rules (bf16 outputs: 1e-2; GDN states: 1e-2).
 """
 
@@ -21,9 +25,6 @@ from enginetap.replay.builtin import BUILTINS, builtin_named
 from enginetap.replay.builtin.fla import gdn_decode, gdn_prefill
 from enginetap.replay.compare import compare_outputs
 from enginetap.replay.solution import CallPlan
-
-fla_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
-
 
 def _run_both(family: str, adapter: Any, index: int,
               values: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def naive_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Ten
               beta: torch.Tensor, scale: float, initial_state: torch.Tensor,
               output_final_state: bool, use_qk_l2norm_in_kernel: bool,
               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's kernel contract (keywords after v) on its naive recurrence, one sequence at a time."""
+    """fla's kernel contract (keywords after v) as a plain recurrence, one sequence at a time."""
     assert output_final_state and use_qk_l2norm_in_kernel and isinstance(scale, float)
     assert initial_state.dtype == torch.float32 and initial_state.is_contiguous()
     group = v.shape[2] // q.shape[2]
@@ -76,11 +77,14 @@ def naive_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Ten
     out = torch.empty(v.shape, dtype=torch.float32)
     final = torch.empty_like(initial_state)
     for n, (b, t0, t1) in enumerate(bounds):
-        o, h = fla_naive.naive_recurrent_gated_delta_rule(
-            q[b:b + 1, t0:t1], k[b:b + 1, t0:t1], v[b:b + 1, t0:t1].float(),
-            beta[b:b + 1, t0:t1], g[b:b + 1, t0:t1], scale=scale,
-            initial_state=initial_state[n:n + 1], output_final_state=True)
-        out[b, t0:t1], final[n] = o[0], h[0]
+        state = initial_state[n].clone()  # [HV, K, V]
+        for t in range(t0, t1):
+            state = state * g[b, t].exp()[:, None, None]
+            recalled = torch.einsum("hk,hkv->hv", k[b, t], state)
+            delta = beta[b, t][:, None] * (v[b, t].float() - recalled)
+            state = state + k[b, t][:, :, None] * delta[:, None, :]
+            out[b, t] = torch.einsum("hk,hkv->hv", q[b, t] * scale, state)
+        final[n] = state
     return out.to(v.dtype), final
 
 
@@ -105,6 +109,7 @@ def test_fla_decode_conversion_meets_reference(index: int) -> None:
 
 def test_fla_kernels_do_not_share_a_positional_order() -> None:
     """Why the decode adapter passes beta by keyword: positionally it would land on gk."""
+    pytest.importorskip("fla")
     pytest.importorskip("triton")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 

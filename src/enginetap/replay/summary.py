@@ -62,11 +62,23 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def render_summary(report: ReplayReport) -> Table | None:
-    """The summary as a rich table (None when no solution was given)."""
-    rows = report.summary
-    if not rows:
+    """The summary as a rich table (None when no solution was given).
+
+    Pairs where a built-in solution has no adapter for the definition's family at all are
+    left out of the table (the JSON keeps them); the caption counts them.
+    """
+    from enginetap.replay.builtin import UNCOVERED
+
+    every = report.summary
+    if not every:
         return None
-    table = Table(title="definition x solution", box=box.SIMPLE_HEAD, title_justify="left")
+    rows = [r for r in every if not (r.status == "SKIPPED" and r.reason
+                                     and r.reason.startswith(UNCOVERED))]
+    left_out = len(every) - len(rows)
+    caption = (f"{left_out} pair(s) whose solution has no adapter for the family are not shown"
+               if left_out else None)
+    table = Table(title="definition x solution", box=box.SIMPLE_HEAD, title_justify="left",
+                  caption=caption, caption_justify="left")
     for col in ("definition", "solution", "status", "workloads"):
         table.add_column(col, no_wrap=True)
     for col in ("max abs", "NaN/inf", "ref ms", "cand ms", "speedup"):

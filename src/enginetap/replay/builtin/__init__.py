@@ -25,9 +25,11 @@ from enginetap.definitions.base import family_of
 if TYPE_CHECKING:
     from enginetap.dataset.schema import Definition
 
-__all__ = ["BUILTINS", "BuiltinSolution", "builtin_named"]
+__all__ = ["BUILTINS", "UNCOVERED", "BuiltinSolution", "builtin_named"]
 
 _HERE = "enginetap.replay.builtin"
+UNCOVERED = "no adapter for "
+"""How a skip reason starts when the solution does not cover the family at all."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class BuiltinSolution:
         """Why this solution cannot run ``definition`` on ``device`` (None: it can)."""
         family = family_of(definition)
         if family not in self.adapters:
-            return (f"no adapter for {family or 'a definition without a family tag'} "
+            return (f"{UNCOVERED}{family or 'a definition without a family tag'} "
                     "(--list-solutions shows what each covers)")
         kind = "cuda" if device.startswith("cuda") else device
         if kind not in self.devices:
