@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--skip-capture", action="store_true")
+    parser.add_argument("--skip-probe", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--probe-positional", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -55,7 +56,8 @@ def main() -> int:
         return _probe_positional()
     args.out.mkdir(parents=True, exist_ok=True)
     _environment()
-    _step("probe", lambda: _probe(args.device))
+    if not args.skip_probe:
+        _step("probe", lambda: _probe(args.device))
     datasets = {}
     _step("synth", lambda: datasets.update(synth=_synth(args.out / "synth-ds")))
     if not args.skip_capture:

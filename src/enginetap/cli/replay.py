@@ -49,6 +49,9 @@ def replay(
              "--list-solutions), module:function or path/file.py:function.")] = None,
     list_solutions: Annotated[bool, typer.Option(
         "--list-solutions", help="List the built-in solutions and exit.")] = False,
+    write_solutions: Annotated[Path | None, typer.Option(
+        help="Write each built-in --solution as flashinfer-bench Solution files for the "
+             "dataset's definitions it covers, under DIR/solutions/, and exit.")] = None,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write the full report (JSON) here.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -70,6 +73,9 @@ def replay(
     if dataset is None:
         raise EnginetapError("no dataset given", "replay needs a dataset root",
                              "pass DATASET, or --list-solutions to see the built-in solutions")
+    if write_solutions is not None:
+        _write_solutions(write_solutions, dataset, solution or [], definition)
+        sys.exit(0)
     report = replay_dataset(dataset, definitions=definition, solution=solution,
                             trust_dataset_code=trust_dataset_code, device=device,
                             warmup=warmup, repeats=repeats, progress=err.is_terminal)
@@ -97,6 +103,31 @@ def _solutions_table() -> Any:
                       "yes" if not missing else f"no ({', '.join(missing)})",
                       f"{b.library}: {b.summary}")
     return table
+
+
+def _write_solutions(root: Path, dataset: Path, names: list[str],
+                     only: list[str] | None) -> None:
+    from enginetap.dataset import Dataset
+    from enginetap.errors import ConfigError
+    from enginetap.replay.builtin import builtin_named
+    from enginetap.replay.fib import write_builtin_solutions
+
+    builtins = [builtin_named(n) for n in names]
+    if not names or None in builtins:
+        raise ConfigError("--write-solutions needs built-in --solution names",
+                          f"given: {', '.join(names) or 'none'}",
+                          "pass e.g. --solution fla:gdn (see --list-solutions)")
+    definitions = [d for name, d in sorted(Dataset(dataset).definitions().items())
+                   if not only or name in only]
+    for builtin in builtins:
+        assert builtin is not None  # checked above
+        try:
+            written = write_builtin_solutions(root, builtin, definitions)
+        except OSError as exc:
+            raise ConfigError(f"cannot write solutions under {root}", exc.strerror or str(exc),
+                              "pass a writable --write-solutions directory") from None
+        out.print(f"{builtin.name}: {len(written)} Solution file(s) under {root / 'solutions'}",
+                  markup=False, highlight=False)
 
 
 def _write_json(path: Path, text: str) -> None:

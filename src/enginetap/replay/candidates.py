@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from enginetap.errors import ConfigError
 from enginetap.replay.builtin import BuiltinSolution, builtin_named
 from enginetap.replay.execution import ChildFunction
+from enginetap.replay.fib import FibSolution, read_solution
 
 if TYPE_CHECKING:
     from enginetap.dataset.schema import Definition
@@ -28,18 +29,23 @@ class Candidate:
 
     name: str
     run: ChildFunction
-    builtin: BuiltinSolution | None
+    builtin: BuiltinSolution | None = None
+    fib: FibSolution | None = None
+    """A flashinfer-bench Solution file's contents (``--solution x.json``)."""
 
     def skip_reason(self, definition: Definition, device: str) -> str | None:
-        """Why it is not run on ``definition`` (only built-ins are ever skipped)."""
-        return self.builtin.skip_reason(definition, device) if self.builtin else None
+        """Why it is not run on ``definition`` (a user's function never is skipped)."""
+        if self.builtin is not None:
+            return self.builtin.skip_reason(definition, device)
+        return self.fib.skip_reason(definition) if self.fib is not None else None
 
 
 def open_candidates(specs: Sequence[str]) -> list[Candidate]:
     """Start a child per solution and load it there.
 
     Raises:
-        ConfigError: a name is given twice, or a user's solution cannot be imported.
+        ConfigError: a name is given twice, a Solution file cannot be read, or a user's
+            solution cannot be imported.
     """
     repeated = sorted({s for s in specs if list(specs).count(s) > 1})
     if repeated:
@@ -48,7 +54,8 @@ def open_candidates(specs: Sequence[str]) -> list[Candidate]:
     opened: list[Candidate] = []
     try:
         for spec in specs:
-            opened.append(Candidate(spec, ChildFunction(solution=spec), builtin_named(spec)))
+            fib = read_solution(spec) if spec.endswith(".json") else None
+            opened.append(Candidate(spec, ChildFunction(solution=spec), builtin_named(spec), fib))
             opened[-1].run.start()
     except BaseException:
         close_candidates(opened)

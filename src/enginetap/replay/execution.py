@@ -174,7 +174,7 @@ def _save(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 _LOADED: dict[str, tuple[Any, str]] = {}
 """Loaded functions by key: the function and its kind (``candidate`` or ``reference``), or a
-:class:`BuiltinSolution` (``builtin``) that makes the function per definition."""
+built-in solution or Solution file (``adapter``) that makes the function per definition."""
 
 
 def serve(message: dict[str, Any]) -> dict[str, Any]:
@@ -189,10 +189,17 @@ def _load(message: dict[str, Any]) -> dict[str, Any]:
     from enginetap.errors import EnginetapError
 
     from enginetap.replay.builtin import builtin_named
+    from enginetap.replay.fib import read_solution
 
-    builtin = builtin_named(message.get("solution") or "")
+    solution = message.get("solution") or ""
+    builtin = builtin_named(solution)
     if builtin is not None:
-        _LOADED[message["key"]] = (builtin, "builtin")
+        _LOADED[message["key"]] = (builtin, "adapter")
+    elif solution.endswith(".json"):  # a flashinfer-bench Solution file
+        try:
+            _LOADED[message["key"]] = (read_solution(solution), "adapter")
+        except EnginetapError as exc:
+            return {"config_error": [exc.what, exc.why, exc.fix]}
     elif message.get("solution") is not None:
         try:
             _LOADED[message["key"]] = (load_solution(message["solution"]), "candidate")
@@ -213,10 +220,10 @@ def _call(message: dict[str, Any]) -> dict[str, Any]:
     inputs = {name: tensors[name] if name in tensors else message["scalars"][name]
               for name in definition.inputs}
     function, kind = _LOADED[message["key"]]
-    if kind == "builtin":  # the library's adapter for this definition, imported on first use
+    if kind == "adapter":  # a built-in's or a Solution file's function for this definition
         function = function.adapter(definition)
-    plan = (CallPlan.for_function(function, definition) if kind == "candidate"
-            else CallPlan(definition))
+    plan = (CallPlan(definition) if kind == "reference"
+            else CallPlan.for_function(function, definition))
     called = _run(function, plan, inputs, message["axes"],
                   Timing(device, message["warmup"], message["repeats"]), message["scrub"])
     _save(called.outputs, folder / _OUTPUTS)
