@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from enginetap.cli.main import main
 from enginetap.dataset import Dataset
@@ -78,3 +79,20 @@ def test_cli_lists_solutions_and_replays_a_builtin(attention_dataset: Path, tmp_
     assert "definition x solution" in printed and "torch:flex" in printed
     summary = json.loads(out.read_text())["summary"]
     assert [(r["solution"], r["status"]) for r in summary] == [("torch:flex", "PASS")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_builtin_on_cuda_passes_or_says_what_is_missing(tmp_path: Path) -> None:
+    from enginetap.replay.builtin import BUILTINS
+
+    dataset = Dataset(tmp_path / "gpu", create=True)
+    for family in dict.fromkeys(f for b in BUILTINS for f in b.adapters):
+        synthesize(dataset, get_template(family), workloads=2, seed=5)
+    report = replay_dataset(dataset.root, solution=[b.name for b in BUILTINS], device="cuda",
+                            warmup=1, repeats=3)
+    for row in report.summary:
+        if row.status == "SKIPPED":
+            assert row.reason.startswith("no adapter for") or "not installed" in row.reason
+        else:
+            assert row.status == "PASS", row
