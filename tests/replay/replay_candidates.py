@@ -58,3 +58,15 @@ def exiting(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     import os
 
     os._exit(3)  # as a crashed CUDA context or a segfault ends the process: no exception
+
+
+_POISONED: list[bool] = []
+
+
+def poisons_its_process(hidden_states: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """Fails once and leaves its process unusable, as a CUDA error leaves the context."""
+    if _POISONED:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    _POISONED.append(True)
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (first)")

@@ -62,6 +62,17 @@ def test_crashing_and_nan_candidates_are_contained(rmsnorm_dataset: Built) -> No
     assert not report.ok
 
 
+def test_a_failed_call_gets_a_fresh_process_for_the_next_workload(rmsnorm_dataset: Built
+                                                                   ) -> None:
+    name = f"{CANDIDATES}:poisons_its_process"
+    report = replay_dataset(rmsnorm_dataset.root, solution=name, warmup=0, repeats=1)
+    messages = [c.message for w in report.definitions[0].workloads for c in w.checks
+                if c.check == "candidate"]
+    # Each workload met a new process: both saw the first failure, not the sticky one.
+    assert messages == ["candidate failed: RuntimeError: CUDA error: an illegal memory "
+                        "access was encountered (first)"] * 2
+
+
 def test_cli_lists_solutions_and_replays_a_builtin(attention_dataset: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:

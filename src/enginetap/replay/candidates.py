@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enginetap.errors import ConfigError
@@ -55,7 +56,9 @@ def open_candidates(specs: Sequence[str]) -> list[Candidate]:
     try:
         for spec in specs:
             fib = read_solution(spec) if spec.endswith(".json") else None
-            opened.append(Candidate(spec, ChildFunction(solution=spec), builtin_named(spec), fib))
+            # A Solution file by its absolute path: the child may not share a relative one.
+            load = str(Path(spec).resolve()) if fib is not None else spec
+            opened.append(Candidate(spec, ChildFunction(solution=load), builtin_named(spec), fib))
             opened[-1].run.start()
     except BaseException:
         close_candidates(opened)

@@ -153,6 +153,16 @@ class ChildFunction:
         outputs = {name: loaded[name].to(timing.device) for name in reply["outputs"]}
         return Called(outputs, reply["destination"], reply["ms"])
 
+    def reset(self) -> None:
+        """End its own child, so that the next call starts a fresh process.
+
+        After a failure the process may be unusable though alive: a CUDA error (an illegal
+        memory access) poisons the context of the process it happened in, and every later
+        CUDA call there fails too.
+        """
+        if self._own:
+            self._child.close()
+
     def close(self) -> None:
         """Remove the temporary directory, and end the child unless it is shared."""
         if self._own:

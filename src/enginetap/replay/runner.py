@@ -13,9 +13,11 @@ tolerance). Problems with the dataset itself (``validate_dataset``) are listed i
 and make it fail; what can still be read is replayed anyway, and a workload that cannot be
 loaded is an ERROR row. A workload where nothing was compared (no stored engine outputs and
 no candidate) FAILS. Nothing here lets an exception from dataset or user code escape: it
-becomes a one-line message on the row it concerns. Candidates and trusted dataset references
-run in a child process (:mod:`enginetap.replay.execution`), so that ``sys.exit``,
-``KeyboardInterrupt``, ``os._exit`` or a crash in them is an ERROR row too.
+becomes a one-line message on the row it concerns. Candidates (each solution in its
+own) and trusted dataset references run in a child process
+(:mod:`enginetap.replay.execution`), so that ``sys.exit``, ``KeyboardInterrupt``,
+``os._exit`` or a crash in them is an ERROR row too. A solution that cannot run a
+definition (:mod:`enginetap.replay.candidates`) gives SKIPPED rows, never a pass.
 """
 
 from __future__ import annotations
@@ -334,6 +336,7 @@ class _WorkloadReplay:
             called = candidate.run.call(self.definition, data.inputs, data.axes, self.timing,
                                         scrub=nbytes(data.expected))
         except FunctionFailed as exc:  # whatever the candidate did, it is its ERROR row
+            candidate.run.reset()  # and the next workload gets a fresh process (CUDA context)
             return [OutputCheck(output="-", check="candidate", solution=name, status="ERROR",
                                 message=f"candidate failed: {exc}")]
         times[name] = called.ms

@@ -46,7 +46,7 @@ def _flex(device_type: str) -> Callable[..., Any]:
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
