@@ -185,7 +185,8 @@ def print_report(console: Console, report: ReplayReport) -> None:
 def render_tables(report: ReplayReport) -> list[Table]:
     """One table per replayed definition, one row per check (or per failed workload).
 
-    Candidate columns appear only when a candidate ran. Definitions refused or failing as a
+    Candidate columns appear only when a candidate ran; SKIPPED checks are left out (the
+    definition x solution summary says why). Definitions refused or failing as a
     whole have no table: :func:`problem_lines` says why.
     """
     with_candidate = bool(report.options.solutions)
@@ -203,7 +204,9 @@ def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
         table.add_column(col, justify="right", no_wrap=True)
     for w in result.workloads:
         reference, timed = _num(w.reference_ms, ".3f"), set()
-        for c in w.checks or [None]:
+        # SKIPPED checks say the same for every workload: the summary table gives the reason.
+        shown = [c for c in w.checks if c.status != "SKIPPED"]
+        for c in shown or [None]:
             cells = [escape(w.uuid[:8]), escape(c.output) if c else "-"]
             cells += [_check_name(c)] if with_candidate else []
             cells += [_status(c.status if c else w.status), *_numbers(c and c.comparison),
