@@ -2,7 +2,8 @@
 captured from the built-in engine, and the fla call-convention probe.
 
 Usage:
-    python bench/gpu_replay.py OUTDIR [--device cuda] [--skip-capture] [--repeats 10]
+    python bench/gpu_replay.py OUTDIR [--device cuda] [--skip-probe] [--skip-capture]
+        [--solution NAME ...] [--repeats 10]
 
 Steps, each reported as it ends (a later one still runs if an earlier one failed):
 
@@ -49,6 +50,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--skip-capture", action="store_true")
     parser.add_argument("--skip-probe", action="store_true")
+    parser.add_argument("--solution", action="append",
+                        help="Replay only this built-in solution (repeatable; default: all).")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--probe-positional", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -66,7 +69,8 @@ def main() -> int:
     from enginetap.replay.builtin import BUILTINS
 
     # One solution at a time over the definitions it covers: torch:flex (compiled) last.
-    for builtin in BUILTINS:
+    chosen = [b for b in BUILTINS if not args.solution or b.name in args.solution]
+    for builtin in chosen:
         for label, root in datasets.items():
             _step(f"replay {builtin.name} on {label}",
                   lambda b=builtin, n=label, r=root: _replay(r, n, b, args))
