@@ -52,3 +52,21 @@ def into(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
 def into_all_but_last_row(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float,
                           output: torch.Tensor) -> None:
     output[:-1].copy_(_rmsnorm(hidden_states[:-1], weight, eps))
+
+
+def exiting(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    import os
+
+    os._exit(3)  # as a crashed CUDA context or a segfault ends the process: no exception
+
+
+_POISONED: list[bool] = []
+
+
+def poisons_its_process(hidden_states: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """Fails once and leaves its process unusable, as a CUDA error leaves the context."""
+    if _POISONED:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    _POISONED.append(True)
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (first)")

@@ -50,7 +50,7 @@ def test_bad_dataset_and_raising_candidate_report_lines_not_tracebacks(
     assert "candidate failed: ValueError: kernel not built for this shape" in output
     data = json.loads(report.read_text())
     assert data["ok"] is False and data["options"]["repeats"] == 1
-    assert data["options"]["solution"] == f"{CANDIDATES}:raising"
+    assert data["options"]["solutions"] == [f"{CANDIDATES}:raising"]
     assert len(data["problems"]) >= 3  # malformed line, unknown definition, missing blob
 
 
@@ -67,7 +67,9 @@ def test_clean_replay_exits_zero_and_writes_json(rmsnorm_dataset: Built, tmp_pat
     assert data["counts"]["PASS"] == 4 and data["options"]["warmup"] == 0
     workload = data["definitions"][0]["workloads"][0]
     assert {c["check"] for c in workload["checks"]} == {"engine", "candidate"}
-    assert workload["candidate_ms"] > 0 and workload["speedup"] > 0
+    name = f"{CANDIDATES}:correct"
+    assert workload["candidate_ms"][name] > 0 and workload["speedup"][name] > 0
+    assert data["summary"][0]["solution"] == name and data["summary"][0]["status"] == "PASS"
 
 
 def test_foreign_definition_refused_then_trusted(foreign_dataset: Built,

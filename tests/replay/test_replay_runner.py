@@ -36,7 +36,7 @@ def test_synthetic_dataset_replays_clean(rmsnorm_dataset: Built) -> None:
     engine = _checks(report, "engine")
     assert len(engine) == 2 and all(c.comparison.max_abs_error == 0.0 for c in engine)
     assert all(w.reference_ms is not None and w.reference_ms > 0 for w in result.workloads)
-    assert report.counts == {"PASS": 2, "FAIL": 0, "ERROR": 0, "REFUSED": 0}
+    assert report.counts == {"PASS": 2, "SKIPPED": 0, "FAIL": 0, "ERROR": 0, "REFUSED": 0}
 
 
 def test_planted_wrong_engine_output_fails_with_its_numbers(rmsnorm_dataset: Built) -> None:
@@ -67,8 +67,11 @@ def test_candidate_correct_alternative_passes_and_is_timed(rmsnorm_dataset: Buil
     assert report.ok, report.model_dump_json(indent=1)
     candidate = _checks(report, "candidate")
     assert len(candidate) == 2 and all(c.vs_engine is not None for c in candidate)
+    name = f"{CANDIDATES}:correct"
+    assert all(c.solution == name for c in candidate)
     for w in report.definitions[0].workloads:
-        assert w.candidate_ms > 0 and w.speedup == pytest.approx(w.reference_ms / w.candidate_ms)
+        ms = w.candidate_ms[name]
+        assert ms > 0 and w.speedup[name] == pytest.approx(w.reference_ms / ms)
 
 
 def test_candidate_wrong_numerics_fails(rmsnorm_dataset: Built) -> None:
@@ -182,7 +185,7 @@ def test_wrong_shape_in_a_blob_is_an_error_row(rmsnorm_dataset: Built) -> None:
 def test_report_round_trips_through_json(rmsnorm_dataset: Built) -> None:
     report = _replay(rmsnorm_dataset, "correct")
     data = json.loads(report.model_dump_json())
-    assert data["options"]["solution"].endswith("replay_candidates.py:correct")
+    assert data["options"]["solutions"][0].endswith("replay_candidates.py:correct")
     assert data["options"]["repeats"] == 1 and data["ok"] is True
     assert ReplayReport.model_validate(data).definitions == report.definitions
 
@@ -193,7 +196,7 @@ def test_cuda_replay_poisons_and_times_on_the_device(rmsnorm_dataset: Built) -> 
     good = replay_dataset(rmsnorm_dataset.root, solution=f"{CANDIDATES}:into", device="cuda",
                           warmup=1, repeats=3)
     assert good.ok, good.model_dump_json(indent=1)
-    assert all(w.candidate_ms > 0 for w in good.definitions[0].workloads)
+    assert all(w.candidate_ms[f"{CANDIDATES}:into"] > 0 for w in good.definitions[0].workloads)
     bad = _replay(rmsnorm_dataset, "into_all_but_last_row", device="cuda")
     assert all(c.message == "128 element(s) never written (still poison)"
                for c in _checks(bad, "candidate"))

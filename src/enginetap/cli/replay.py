@@ -8,6 +8,7 @@ The status is set with ``sys.exit``: under ``standalone_mode=False`` (how
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -39,11 +40,18 @@ err = Console(stderr=True)
 
 @app.callback()
 def replay(
-    dataset: Annotated[Path, typer.Argument(metavar="DATASET", help="Dataset root directory.")],
+    dataset: Annotated[Path | None, typer.Argument(
+        metavar="DATASET", help="Dataset root directory.", show_default=False)] = None,
     definition: Annotated[list[str] | None, typer.Option(
         "--definition", "-d", help="Replay only this definition (repeatable).")] = None,
-    solution: Annotated[str | None, typer.Option(
-        help="Candidate to check and time: module:function or path/file.py:function.")] = None,
+    solution: Annotated[list[str] | None, typer.Option(
+        help="Candidate to check and time (repeatable): a built-in name (see "
+             "--list-solutions), module:function or path/file.py:function.")] = None,
+    list_solutions: Annotated[bool, typer.Option(
+        "--list-solutions", help="List the built-in solutions and exit.")] = False,
+    write_solutions: Annotated[Path | None, typer.Option(
+        help="Write each built-in --solution as flashinfer-bench Solution files for the "
+             "dataset's definitions it covers, under DIR/solutions/, and exit.")] = None,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write the full report (JSON) here.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -57,15 +65,69 @@ def replay(
     outputs (and with --solution's); exit 1 if anything does not pass."""
     from enginetap.replay import replay_dataset
     from enginetap.replay.report import print_report, summary_line
+    from enginetap.replay.summary import render_summary
 
+    if list_solutions:
+        out.print(_solutions_table())
+        sys.exit(0)
+    if dataset is None:
+        raise EnginetapError("no dataset given", "replay needs a dataset root",
+                             "pass DATASET, or --list-solutions to see the built-in solutions")
+    if write_solutions is not None:
+        _write_solutions(write_solutions, dataset, solution or [], definition)
+        sys.exit(0)
     report = replay_dataset(dataset, definitions=definition, solution=solution,
                             trust_dataset_code=trust_dataset_code, device=device,
                             warmup=warmup, repeats=repeats, progress=err.is_terminal)
     print_report(out, report)
+    summary = render_summary(report)
+    if summary is not None:
+        out.print(summary)
     out.print(summary_line(report), markup=False, highlight=False)
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)
+
+
+def _solutions_table() -> Any:
+    from rich.table import Table
+
+    from enginetap.replay.builtin import BUILTINS
+
+    table = Table(title="built-in solutions (--solution NAME)", title_justify="left")
+    for col in ("name", "families", "devices", "installed", "library"):
+        table.add_column(col)
+    for b in BUILTINS:
+        missing = [m for m in b.modules if importlib.util.find_spec(m) is None]
+        table.add_row(b.name, "\n".join(b.adapters), "/".join(b.devices),
+                      "yes" if not missing else f"no ({', '.join(missing)})",
+                      f"{b.library}: {b.summary}")
+    return table
+
+
+def _write_solutions(root: Path, dataset: Path, names: list[str],
+                     only: list[str] | None) -> None:
+    from enginetap.dataset import Dataset
+    from enginetap.errors import ConfigError
+    from enginetap.replay.builtin import builtin_named
+    from enginetap.replay.fib import write_builtin_solutions
+
+    builtins = [builtin_named(n) for n in names]
+    if not names or None in builtins:
+        raise ConfigError("--write-solutions needs built-in --solution names",
+                          f"given: {', '.join(names) or 'none'}",
+                          "pass e.g. --solution fla:gdn (see --list-solutions)")
+    definitions = [d for name, d in sorted(Dataset(dataset).definitions().items())
+                   if not only or name in only]
+    for builtin in builtins:
+        assert builtin is not None  # checked above
+        try:
+            written = write_builtin_solutions(root, builtin, definitions)
+        except OSError as exc:
+            raise ConfigError(f"cannot write solutions under {root}", exc.strerror or str(exc),
+                              "pass a writable --write-solutions directory") from None
+        out.print(f"{builtin.name}: {len(written)} Solution file(s) under {root / 'solutions'}",
+                  markup=False, highlight=False)
 
 
 def _write_json(path: Path, text: str) -> None:

@@ -48,6 +48,8 @@ class CaptureJob:
     max_output_tokens: int = 32
     seed: int | None = None
     progress: bool = True
+    device: str = "cpu"
+    """Where the built-in engine runs its model (``cpu`` or ``cuda``); vLLM chooses its own."""
 
 
 @dataclass
@@ -197,7 +199,7 @@ def _run_builtin(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConf
     from enginetap.traffic.drivers import BuiltinDriver
     from enginetap.traffic.runner import run_profile
 
-    engine = HFEngine(model_dir, arm=config)
+    engine = HFEngine(model_dir, device=job.device, arm=config)
     try:
         runtime = engine.arming.context.notes["capture"] if engine.arming else None
         if runtime is None or not runtime.installed_targets:

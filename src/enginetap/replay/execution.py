@@ -153,6 +153,16 @@ class ChildFunction:
         outputs = {name: loaded[name].to(timing.device) for name in reply["outputs"]}
         return Called(outputs, reply["destination"], reply["ms"])
 
+    def reset(self) -> None:
+        """End its own child, so that the next call starts a fresh process.
+
+        After a failure the process may be unusable though alive: a CUDA error (an illegal
+        memory access) poisons the context of the process it happened in, and every later
+        CUDA call there fails too.
+        """
+        if self._own:
+            self._child.close()
+
     def close(self) -> None:
         """Remove the temporary directory, and end the child unless it is shared."""
         if self._own:
@@ -172,8 +182,9 @@ def _save(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 # ----------------------------------------------------------------------- in the child
 
-_LOADED: dict[str, tuple[Callable[..., Any], str]] = {}
-"""Loaded functions by key: the function and its kind (``candidate`` or ``reference``)."""
+_LOADED: dict[str, tuple[Any, str]] = {}
+"""Loaded functions by key: the function and its kind (``candidate`` or ``reference``), or a
+built-in solution or Solution file (``adapter``) that makes the function per definition."""
 
 
 def serve(message: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +198,19 @@ def _load(message: dict[str, Any]) -> dict[str, Any]:
     from enginetap.definitions.base import compile_reference
     from enginetap.errors import EnginetapError
 
-    if message.get("solution") is not None:
+    from enginetap.replay.builtin import builtin_named
+    from enginetap.replay.fib import read_solution
+
+    solution = message.get("solution") or ""
+    builtin = builtin_named(solution)
+    if builtin is not None:
+        _LOADED[message["key"]] = (builtin, "adapter")
+    elif solution.endswith(".json"):  # a flashinfer-bench Solution file
+        try:
+            _LOADED[message["key"]] = (read_solution(solution), "adapter")
+        except EnginetapError as exc:
+            return {"config_error": [exc.what, exc.why, exc.fix]}
+    elif message.get("solution") is not None:
         try:
             _LOADED[message["key"]] = (load_solution(message["solution"]), "candidate")
         except EnginetapError as exc:
@@ -207,8 +230,10 @@ def _call(message: dict[str, Any]) -> dict[str, Any]:
     inputs = {name: tensors[name] if name in tensors else message["scalars"][name]
               for name in definition.inputs}
     function, kind = _LOADED[message["key"]]
-    plan = (CallPlan.for_function(function, definition) if kind == "candidate"
-            else CallPlan(definition))
+    if kind == "adapter":  # a built-in's or a Solution file's function for this definition
+        function = function.adapter(definition)
+    plan = (CallPlan(definition) if kind == "reference"
+            else CallPlan.for_function(function, definition))
     called = _run(function, plan, inputs, message["axes"],
                   Timing(device, message["warmup"], message["repeats"]), message["scrub"])
     _save(called.outputs, folder / _OUTPUTS)

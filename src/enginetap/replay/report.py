@@ -1,8 +1,12 @@
 """What a replay found, as pydantic models (saved with ``--json``) and as a rich table.
 
-Statuses, worst last: ``PASS``, ``FAIL`` (a comparison failed), ``ERROR`` (something could
-not run: unreadable workload, a reference or candidate that raised), ``REFUSED`` (a
-definition whose reference enginetap did not generate, without ``--trust-dataset-code``).
+Statuses, worst last: ``PASS``, ``SKIPPED`` (a built-in solution that does not cover the
+definition's family, whose library is not installed or that does not run on this device:
+nothing was checked, and it never counts as a pass), ``FAIL`` (a comparison failed),
+``ERROR`` (something could not run: unreadable workload, a reference or candidate that
+raised or ended its process), ``REFUSED`` (a definition whose reference enginetap did not
+generate, without ``--trust-dataset-code``). A replay is ``ok`` when nothing is worse than
+SKIPPED; the summary line counts the SKIPPED checks.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from rich.table import Table
 
 from enginetap.replay.compare import Comparison
 
-__all__ = ["DefinitionResult", "OutputCheck", "ReplayOptions", "ReplayReport", "WorkloadResult",
-           "problem_lines", "render_tables", "worst"]
+__all__ = ["DefinitionResult", "OutputCheck", "ReplayOptions", "ReplayReport", "SolutionSummary",
+           "WorkloadResult", "problem_lines", "render_tables", "worst"]
 
-Status = Literal["PASS", "FAIL", "ERROR", "REFUSED"]
-_RANK: dict[str, int] = {"PASS": 0, "FAIL": 1, "ERROR": 2, "REFUSED": 3}
-_STYLE = {"PASS": "green", "FAIL": "red", "ERROR": "red", "REFUSED": "yellow"}
+Status = Literal["PASS", "SKIPPED", "FAIL", "ERROR", "REFUSED"]
+_RANK: dict[str, int] = {"PASS": 0, "SKIPPED": 1, "FAIL": 2, "ERROR": 3, "REFUSED": 4}
+_STYLE = {"PASS": "green", "SKIPPED": "yellow", "FAIL": "red", "ERROR": "red",
+          "REFUSED": "yellow"}
 
 
 def worst(statuses: list[Status]) -> Status:
@@ -35,7 +40,8 @@ class ReplayOptions(BaseModel):
 
     dataset: str
     definitions: list[str] | None = None
-    solution: str | None = None
+    solutions: list[str] = Field(default_factory=list)
+    """Candidates, in the order given: built-in names or ``module:function``."""
     trust_dataset_code: bool = False
     device: str = "cpu"
     warmup: int = 1
@@ -52,6 +58,8 @@ class OutputCheck(BaseModel):
     ``reference``: only the reference ran (nothing stored to compare), its outputs had the
     definition's shapes and dtypes."""
     status: Status
+    solution: str | None = None
+    """For ``candidate``: which solution."""
     comparison: Comparison | None = None
     vs_engine: Comparison | None = None
     """For ``candidate``: the candidate vs the stored engine output (informational)."""
@@ -63,19 +71,21 @@ class WorkloadResult(BaseModel):
 
     uuid: str
     status: Status
+    axes: dict[str, int] = Field(default_factory=dict)
+    """The workload's var axes: with the definition's const axes, every tensor's shape."""
     message: str | None = None
     """Why the workload could not run (ERROR), in one line."""
     reference_ms: float | None = None
-    candidate_ms: float | None = None
+    candidate_ms: dict[str, float | None] = Field(default_factory=dict)
+    """Median time of each solution that ran, by solution."""
     checks: list[OutputCheck] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def speedup(self) -> float | None:
-        """Reference time over candidate time."""
-        if self.reference_ms is None or not self.candidate_ms:
-            return None
-        return self.reference_ms / self.candidate_ms
+    def speedup(self) -> dict[str, float | None]:
+        """Reference time over each solution's time."""
+        return {name: self.reference_ms / ms if self.reference_ms is not None and ms else None
+                for name, ms in self.candidate_ms.items()}
 
 
 class DefinitionResult(BaseModel):
@@ -87,6 +97,29 @@ class DefinitionResult(BaseModel):
     reference: Literal["enginetap", "dataset"] | None = None
     """``enginetap``: our regenerated source; ``dataset``: the file's, trusted by the user."""
     workloads: list[WorkloadResult] = Field(default_factory=list)
+
+
+class SolutionSummary(BaseModel):
+    """One definition x one solution: what its candidate checks found over the workloads."""
+
+    definition: str
+    solution: str
+    status: Status
+    """The worst of its checks (SKIPPED: it never ran)."""
+    counts: dict[str, int]
+    """Workloads by the worst status of this solution's checks on them."""
+    reference_ms: float | None = None
+    """Median over workloads of the reference's median time."""
+    candidate_ms: float | None = None
+    """Median over workloads of the solution's median time."""
+    speedup: float | None = None
+    """``reference_ms / candidate_ms``."""
+    max_abs_error: float | None = None
+    """Largest finite error of any output on any workload."""
+    nonfinite: int = 0
+    """NaN/inf mismatches (unexpected NaNs included) over all outputs and workloads."""
+    reason: str | None = None
+    """Why it was skipped, or the first failure's reason (one line)."""
 
 
 class ReplayReport(BaseModel):
@@ -112,8 +145,17 @@ class ReplayReport(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
-        """No dataset problem and nothing but PASS."""
-        return not self.problems and all(s == "PASS" for s in self._statuses())
+        """No dataset problem and nothing worse than SKIPPED."""
+        return not self.problems and all(_RANK[s] <= _RANK["SKIPPED"]
+                                         for s in self._statuses())
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def summary(self) -> list[SolutionSummary]:
+        """One row per definition and solution (see :func:`summarize`)."""
+        from enginetap.replay.summary import summarize
+
+        return summarize(self)
 
     def _statuses(self) -> list[Status]:
         out: list[Status] = []
@@ -136,16 +178,18 @@ def print_report(console: Console, report: ReplayReport) -> None:
     for table in render_tables(report):
         console.print(table)
     for line in problem_lines(report):
-        console.print(line, markup=False, highlight=False)
+        # One line each, never wrapped: they are meant to be grepped.
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def render_tables(report: ReplayReport) -> list[Table]:
     """One table per replayed definition, one row per check (or per failed workload).
 
-    Candidate columns appear only when a candidate ran. Definitions refused or failing as a
+    Candidate columns appear only when a candidate ran; SKIPPED checks are left out (the
+    definition x solution summary says why). Definitions refused or failing as a
     whole have no table: :func:`problem_lines` says why.
     """
-    with_candidate = report.options.solution is not None
+    with_candidate = bool(report.options.solutions)
     return [_definition_table(d, with_candidate) for d in report.definitions if d.workloads]
 
 
@@ -159,16 +203,34 @@ def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
     for col in numeric + (["cand ms", "speedup"] if with_candidate else []):
         table.add_column(col, justify="right", no_wrap=True)
     for w in result.workloads:
-        timing = [_num(w.reference_ms, ".3f")]
-        if with_candidate:
-            timing += [_num(w.candidate_ms, ".3f"), _num(w.speedup, ".2f", "x")]
-        for c in w.checks or [None]:
+        reference, timed = _num(w.reference_ms, ".3f"), set()
+        # SKIPPED checks say the same for every workload: the summary table gives the reason.
+        shown = [c for c in w.checks if c.status != "SKIPPED"]
+        for c in shown or [None]:
             cells = [escape(w.uuid[:8]), escape(c.output) if c else "-"]
-            cells += [c.check if c else "-"] if with_candidate else []
-            cells += [_status(c.status if c else w.status), *_numbers(c and c.comparison)]
-            table.add_row(*cells, *timing)
-            timing = [""] * len(timing)  # once per workload
+            cells += [_check_name(c)] if with_candidate else []
+            cells += [_status(c.status if c else w.status), *_numbers(c and c.comparison),
+                      reference]
+            reference = ""  # once per workload
+            if with_candidate:
+                cells += _candidate_timing(w, c, timed)
+            table.add_row(*cells)
     return table
+
+
+def _check_name(check: OutputCheck | None) -> str:
+    if check is None:
+        return "-"
+    return escape(check.solution) if check.check == "candidate" and check.solution else check.check
+
+
+def _candidate_timing(w: WorkloadResult, check: OutputCheck | None, timed: set[str]) -> list[str]:
+    """The solution's time and speedup on its first row of the workload, else blanks."""
+    name = check.solution if check is not None and check.check == "candidate" else None
+    if name is None or name in timed or name not in w.candidate_ms:
+        return ["", ""]
+    timed.add(name)
+    return [_num(w.candidate_ms[name], ".3f"), _num(w.speedup.get(name), ".2f", "x")]
 
 
 def problem_lines(report: ReplayReport) -> list[str]:
@@ -182,10 +244,14 @@ def problem_lines(report: ReplayReport) -> list[str]:
                 lines.append(f"{w.status} {d.name} workload {w.uuid}: {w.message}")
             for c in w.checks:
                 reason = c.message or (c.comparison.reason if c.comparison else None)
-                if c.status != "PASS" and reason:
-                    lines.append(f"{c.status} {d.name} workload {w.uuid} output {c.output} "
-                                 f"({c.check}): {reason}")
+                if c.status not in ("PASS", "SKIPPED") and reason:
+                    lines.append(f"{c.status} {d.name} workload {w.uuid} ({_axes(w)}) output "
+                                 f"{c.output} ({c.solution or c.check}): {reason}")
     return lines
+
+
+def _axes(w: WorkloadResult) -> str:
+    return " ".join(f"{k}={v}" for k, v in w.axes.items()) or "no var axes"
 
 
 def _status(status: Status) -> str:

@@ -13,15 +13,17 @@ tolerance). Problems with the dataset itself (``validate_dataset``) are listed i
 and make it fail; what can still be read is replayed anyway, and a workload that cannot be
 loaded is an ERROR row. A workload where nothing was compared (no stored engine outputs and
 no candidate) FAILS. Nothing here lets an exception from dataset or user code escape: it
-becomes a one-line message on the row it concerns. Candidates and trusted dataset references
-run in a child process (:mod:`enginetap.replay.execution`), so that ``sys.exit``,
-``KeyboardInterrupt``, ``os._exit`` or a crash in them is an ERROR row too.
+becomes a one-line message on the row it concerns. Candidates (each solution in its
+own) and trusted dataset references run in a child process
+(:mod:`enginetap.replay.execution`), so that ``sys.exit``, ``KeyboardInterrupt``,
+``os._exit`` or a crash in them is an ERROR row too. A solution that cannot run a
+definition (:mod:`enginetap.replay.candidates`) gives SKIPPED rows, never a pass.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,7 @@ from enginetap.replay.report import (
     worst,
 )
 from enginetap.core.isolated import Child, one_line
+from enginetap.replay.candidates import Candidate, close_candidates, open_candidates
 from enginetap.replay.execution import (
     Called,
     ChildFunction,
@@ -68,13 +71,15 @@ TRUST_FLAG = "--trust-dataset-code"
 
 
 def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None,
-                   solution: str | None = None, trust_dataset_code: bool = False,
+                   solution: str | Sequence[str] | None = None,
+                   trust_dataset_code: bool = False,
                    device: str = "cpu", warmup: int = 1, repeats: int = 3,
                    progress: bool = False) -> ReplayReport:
     """Replay the dataset at ``root`` and return what every check found.
 
-    ``definitions`` limits the replay to these names; ``solution`` (``module:function``)
-    is a candidate implementation to check and time against the reference.
+    ``definitions`` limits the replay to these names; ``solution`` is one candidate or a
+    list of them, each a built-in name (``fla:gdn``, see ``enginetap.replay.builtin``) or a
+    ``module:function``, to check and time against the reference, each in its own process.
 
     Raises:
         ConfigError: bad device, counts or solution (it cannot be imported).
@@ -82,16 +87,17 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     """
     import torch
 
+    solutions = [solution] if isinstance(solution, str) else list(solution or [])
     options = ReplayOptions(dataset=str(root), definitions=list(definitions) if definitions
-                            else None, solution=solution, trust_dataset_code=trust_dataset_code,
+                            else None, solutions=solutions,
+                            trust_dataset_code=trust_dataset_code,
                             device=device, warmup=warmup, repeats=repeats)
     _check_options(options)
     dataset = Dataset(root)
-    candidate = ChildFunction(solution=solution) if solution else None
+    candidates: list[Candidate] = []
     trusted = child()  # one process for every trusted dataset reference, started if needed
     try:
-        if candidate is not None:
-            candidate.start()
+        candidates = open_candidates(solutions)
         report = ReplayReport(options=options, problems=validate_dataset(root),
                               created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                               enginetap_version=__version__, torch_version=torch.__version__)
@@ -99,11 +105,10 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
         with _Progress(progress, sum(len(lines) for _, lines in plan)) as bar:
             for definition, lines in plan:
                 report.definitions.append(_replay_definition(
-                    dataset, definition, lines, (candidate, trusted), options, bar.advance))
+                    dataset, definition, lines, (candidates, trusted), options, bar.advance))
     finally:
         trusted.close()
-        if candidate is not None:
-            candidate.close()
+        close_candidates(candidates)
     return report
 
 
@@ -213,16 +218,16 @@ def _rules(definition: Definition, template: Template | None) -> dict[str, Compa
 
 
 def _replay_definition(dataset: Dataset, definition: Definition, lines: list[WorkloadLine],
-                       processes: tuple[ChildFunction | None, Child], options: ReplayOptions,
+                       processes: tuple[list[Candidate], Child], options: ReplayOptions,
                        advance: Callable[[], None]) -> DefinitionResult:
-    """``processes``: the candidate (if any) and the child for trusted references."""
-    candidate, trusted = processes
+    """``processes``: the candidates and the child for trusted references."""
+    candidates, trusted = processes
     reference = _load_reference(definition, options.trust_dataset_code, trusted)
     if isinstance(reference, DefinitionResult):
         for _ in lines:
             advance()
         return reference
-    replay = _WorkloadReplay(dataset, definition, reference, candidate, options)
+    replay = _WorkloadReplay(dataset, definition, reference, candidates, options)
     results = []
     try:
         for line in lines:
@@ -250,9 +255,11 @@ class _WorkloadReplay:
     """Replays single workloads of one definition."""
 
     def __init__(self, dataset: Dataset, definition: Definition, reference: _Reference,
-                 candidate: ChildFunction | None, options: ReplayOptions) -> None:
+                 candidates: list[Candidate], options: ReplayOptions) -> None:
         self.dataset, self.definition, self.reference = dataset, definition, reference
-        self.candidate, self.device = candidate, options.device
+        self.candidates, self.device = candidates, options.device
+        # Decided once per definition, before anything runs: SKIPPED, never a pass.
+        self.skipped = {c.name: c.skip_reason(definition, options.device) for c in candidates}
         self.timing = Timing(options.device, options.warmup, options.repeats)
 
     def run(self, line: WorkloadLine) -> WorkloadResult:
@@ -261,25 +268,25 @@ class _WorkloadReplay:
             inputs = self.dataset.load_inputs(line, self.device)
             engine = self.dataset.load_outputs(line, self.device)
         except EnginetapError as exc:
-            return WorkloadResult(uuid=uuid, status="ERROR", message=str(exc))
+            return WorkloadResult(uuid=uuid, status="ERROR", axes=axes, message=str(exc))
         except Exception as exc:  # stored files are untrusted input; report, do not crash
-            return WorkloadResult(uuid=uuid, status="ERROR",
+            return WorkloadResult(uuid=uuid, status="ERROR", axes=axes,
                                   message=f"cannot load it: {one_line(exc)}")
         try:
             called = self.reference.run.call(self.definition, inputs, axes, self.timing)
             self._check_conforms(called.outputs, axes)
         except (FunctionFailed, ValueError) as exc:
-            return WorkloadResult(uuid=uuid, status="ERROR", message=f"reference failed: {exc}")
+            return WorkloadResult(uuid=uuid, status="ERROR", axes=axes,
+                                  message=f"reference failed: {exc}")
         data = _Workload(axes, inputs, engine, called.outputs)
         checks = self._engine_checks(data)
-        cand_ms = None
-        if self.candidate is not None:
-            candidate_checks, cand_ms = self._candidate_checks(self.candidate, data)
-            checks += candidate_checks
-        if not checks:
-            checks = [OutputCheck(output="-", check="reference", status="FAIL",
-                                  message=self._nothing_compared())]
-        return WorkloadResult(uuid=uuid, status=worst([c.status for c in checks]),
+        cand_ms: dict[str, float | None] = {}
+        for candidate in self.candidates:
+            checks += self._candidate_checks(candidate, data, cand_ms)
+        if all(c.status == "SKIPPED" for c in checks):
+            checks.append(OutputCheck(output="-", check="reference", status="FAIL",
+                                      message=self._nothing_compared()))
+        return WorkloadResult(uuid=uuid, status=worst([c.status for c in checks]), axes=axes,
                               reference_ms=called.ms, candidate_ms=cand_ms, checks=checks)
 
     def _nothing_compared(self) -> str:
@@ -287,7 +294,7 @@ class _WorkloadReplay:
         if not self.definition.outputs:
             return "nothing compared: the definition has no outputs"
         return ("nothing compared: no engine outputs are stored for this workload and no "
-                "--solution was given; only the reference ran")
+                "--solution ran on it; only the reference ran")
 
     def _check_conforms(self, outputs: Mapping[str, torch.Tensor], axes: dict[str, int]) -> None:
         from enginetap.dataset.dtypes import name_of
@@ -315,17 +322,26 @@ class _WorkloadReplay:
                                       status="PASS" if comparison.passed else "FAIL"))
         return checks
 
-    def _candidate_checks(self, candidate: ChildFunction,
-                          data: _Workload) -> tuple[list[OutputCheck], float | None]:
-        """Run the candidate (in its child) once on poisoned memory and time it; compare."""
+    def _candidate_checks(self, candidate: Candidate, data: _Workload,
+                          times: dict[str, float | None]) -> list[OutputCheck]:
+        """Run a candidate (in its child) once on poisoned memory and time it; compare.
+
+        Its median time goes into ``times`` under its name.
+        """
+        name = candidate.name
+        if self.skipped[name] is not None:
+            return [OutputCheck(output="-", check="candidate", solution=name, status="SKIPPED",
+                                message=self.skipped[name])]
         try:
-            called = candidate.call(self.definition, data.inputs, data.axes, self.timing,
-                                    scrub=nbytes(data.expected))
+            called = candidate.run.call(self.definition, data.inputs, data.axes, self.timing,
+                                        scrub=nbytes(data.expected))
         except FunctionFailed as exc:  # whatever the candidate did, it is its ERROR row
-            return [OutputCheck(output="-", check="candidate", status="ERROR",
-                                message=f"candidate failed: {exc}")], None
-        return [self._candidate_check(name, called, data)
-                for name in self.definition.outputs], called.ms
+            candidate.run.reset()  # and the next workload gets a fresh process (CUDA context)
+            return [OutputCheck(output="-", check="candidate", solution=name, status="ERROR",
+                                message=f"candidate failed: {exc}")]
+        times[name] = called.ms
+        return [self._candidate_check(output, called, data).model_copy(update={"solution": name})
+                for output in self.definition.outputs]
 
     def _candidate_check(self, name: str, called: Called, data: _Workload) -> OutputCheck:
         actual = called.outputs

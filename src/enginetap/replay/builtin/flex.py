@@ -1,0 +1,193 @@
+"""PyTorch's ``flex_attention`` as the attention families, one call per workload.
+
+Every family becomes one attention of all query rows over all keys, with a block mask that
+says which key each row may read:
+
+- ``gqa_ragged_prefill``: packed q and kv, heads first; row ``i`` of request ``b`` reads the
+  kv rows ``kv_start[b] .. kv_start[b] + i_in_b + (kv_len - q_len)`` (causal, queries at the
+  end of their keys), ``enable_gqa`` for the head groups.
+- paged decode (``gqa_paged_decode``, ``mla_paged_decode``): the whole cache flattened to
+  slots is the key sequence; request ``b`` reads the slots of its pages.
+- sparse (``dsa_sparse_mla``, ``sparse_mla_prefill_sink``, ``sparse_gqa_paged_decode``): a
+  row reads the slots its index list names (``-1`` and, with ``topk_lens``, entries past the
+  row's length excluded; for the GQA decode, the tokens of its selected blocks before
+  ``seq_lens``, per kv head).
+
+MLA attends keys ``[ckv, kpe]`` with values ``ckv``, every head the same tokens: the
+``(token, head)`` pairs are the rows of one head. flex returns the natural-log log-sum-exp of
+the attended logits (``-inf`` and a zero output for a row that reads nothing), divided by
+``ln 2`` for the definitions' base 2. The sink of ``sparse_mla_prefill_sink`` adds
+``exp(sink)`` to the denominator only: ``output * 1 / (1 + exp(sink - lse))``.
+
+On CUDA flex_attention is compiled (``torch.compile``, its fused Triton kernel); on the CPU
+it runs eagerly (unfused, correct, slow), so CPU timings say nothing about the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from enginetap.replay.builtin.pages import LOG2, slot_mask, sparse_mask
+
+if TYPE_CHECKING:
+    import torch
+
+    from enginetap.dataset.schema import Definition
+
+__all__ = ["dsa_sparse_mla", "gqa_paged_decode", "gqa_ragged_prefill", "mla_paged_decode",
+           "sparse_gqa_paged_decode", "sparse_mla_prefill_sink"]
+
+
+@functools.cache
+def _flex(device_type: str) -> Callable[..., Any]:
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+            scale: float, heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heads-first ``q [Hq, Lq, D]``, ``k/v [Hkv, Lk, D]``; ``allowed [Lq, Lk]`` (or
+    ``[Hkv, Lq, Lk]`` with ``heads``) -> output ``[Lq, Hq, Dv]`` and base-2 lse ``[Lq, Hq]``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    group = q.shape[0] // k.shape[0]
+
+    def mask_mod(b: Any, h: Any, row: Any, col: Any) -> Any:
+        return allowed[h // group, row, col] if heads else allowed[row, col]
+
+    block_mask = create_block_mask(mask_mod, None, q.shape[0] if heads else None,
+                                   q.shape[1], k.shape[1], device=q.device.type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager (CPU) path warns that it is unfused
+        out, lse = _flex(q.device.type)(q[None], k[None], v[None], block_mask=block_mask,
+                                        scale=scale, enable_gqa=group > 1, return_lse=True)
+    return out[0].transpose(0, 1), (lse[0] / LOG2).transpose(0, 1)
+
+
+def gqa_ragged_prefill(definition: Definition) -> Callable[..., Any]:
+    """``run(q, k, v, qo_indptr, kv_indptr, sm_scale)`` -> ``(output, lse)``."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
+            kv_indptr: torch.Tensor, sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        q_len, kv_len = qo_indptr.diff().long(), kv_indptr.diff().long()
+        request = torch.repeat_interleave(torch.arange(q_len.numel(), device=q.device), q_len)
+        row = torch.arange(q.shape[0], device=q.device) - qo_indptr.long()[request]
+        first = kv_indptr.long()[request]
+        last = first + row + (kv_len - q_len)[request]
+        col = torch.arange(k.shape[0], device=q.device)
+        allowed = (col[None, :] >= first[:, None]) & (col[None, :] <= last[:, None])
+        return _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), allowed,
+                       float(sm_scale))
+
+    return run
+
+
+def gqa_paged_decode(definition: Definition) -> Callable[..., Any]:
+    """``run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale)``."""
+    page_size = definition.const_axes["page_size"]
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+        allowed = slot_mask(kv_indptr, kv_indices, kv_last_page_len, page_size, k_flat.shape[0])
+        return _attend(q.transpose(0, 1), k_flat.transpose(0, 1), v_flat.transpose(0, 1),
+                       allowed, float(sm_scale))
+
+    return run
+
+
+def _latent(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, allowed: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA over latent slots: ``allowed [tokens, slots]`` -> output ``[T, H, ckv]``, lse."""
+    import torch
+
+    tokens, heads = q_nope.shape[:2]
+    query = torch.cat([q_nope, q_pe], dim=-1).flatten(0, 1)[None]  # rows: (token, head)
+    keys = torch.cat([ckv_cache, kpe_cache], dim=-1).flatten(0, 1)[None]
+    values = ckv_cache.flatten(0, 1)[None]
+    out, lse = _attend(query, keys, values, allowed.repeat_interleave(heads, dim=0), scale)
+    return out.reshape(tokens, heads, -1), lse.reshape(tokens, heads)
+
+
+def mla_paged_decode(definition: Definition) -> Callable[..., Any]:
+    """``run(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_last_page_len,
+    sm_scale)``."""
+    page_size = definition.const_axes["page_size"]
+
+    def run(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            kv_last_page_len: torch.Tensor, sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = ckv_cache.shape[0] * ckv_cache.shape[1]
+        allowed = slot_mask(kv_indptr, kv_indices, kv_last_page_len, page_size, slots)
+        return _latent(q_nope, q_pe, ckv_cache, kpe_cache, allowed, float(sm_scale))
+
+    return run
+
+
+def dsa_sparse_mla(definition: Definition) -> Callable[..., Any]:
+    """``run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale)``."""
+
+    def run(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, sparse_indices: torch.Tensor,
+            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = ckv_cache.shape[0] * ckv_cache.shape[1]
+        allowed = sparse_mask(sparse_indices, sparse_indices >= 0, slots)
+        return _latent(q_nope, q_pe, ckv_cache, kpe_cache, allowed, float(sm_scale))
+
+    return run
+
+
+def sparse_mla_prefill_sink(definition: Definition) -> Callable[..., Any]:
+    """``run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, topk_lens, attn_sink,
+    sm_scale)``: the sink rescales flex's output by its share of the denominator."""
+
+    def run(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, sparse_indices: torch.Tensor, topk_lens: torch.Tensor,
+            attn_sink: torch.Tensor, sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        positions = torch.arange(sparse_indices.shape[1], device=sparse_indices.device)
+        valid = (positions[None, :] < topk_lens[:, None]) & (sparse_indices >= 0)
+        slots = ckv_cache.shape[0] * ckv_cache.shape[1]
+        out, lse = _latent(q_nope, q_pe, ckv_cache, kpe_cache,
+                           sparse_mask(sparse_indices, valid, slots), float(sm_scale))
+        share = torch.sigmoid(lse * LOG2 - attn_sink.float()[None, :])  # 1 / (1 + e^(s - lse))
+        return (out.float() * share[..., None]).to(out.dtype), lse
+
+    return run
+
+
+def sparse_gqa_paged_decode(definition: Definition) -> Callable[..., Any]:
+    """``run(q, k_cache, v_cache, page_table, seq_lens, block_ids, sm_scale)``."""
+    consts = definition.const_axes
+    page_size, block_size = consts["page_size"], consts["block_size"]
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            page_table: torch.Tensor, seq_lens: torch.Tensor, block_ids: torch.Tensor,
+            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        heads = k_cache.shape[2]
+        ids = block_ids.expand(-1, heads, -1).long()  # [B, kv heads, topk]
+        tokens = (ids[..., None] * block_size + torch.arange(block_size, device=q.device))
+        tokens = tokens.flatten(-2)  # [B, kv, topk * block_size]
+        valid = (ids[..., None] >= 0).expand(*ids.shape, block_size).flatten(-2)
+        valid &= tokens < seq_lens.long()[:, None, None]
+        page = torch.where(valid, tokens // page_size, torch.zeros_like(tokens))
+        rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
+        slot = page_table.long()[rows, page] * page_size + tokens % page_size
+        k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+        allowed = sparse_mask(slot, valid, k_flat.shape[0]).transpose(0, 1)  # [kv, B, slots]
+        return _attend(q.transpose(0, 1), k_flat.transpose(0, 1), v_flat.transpose(0, 1),
+                       allowed, float(sm_scale), heads=True)
+
+    return run
