@@ -18,7 +18,9 @@ policy = {"name": "all", "decode_steps": list(range(64)), "per_variant": 10_000,
           "per_definition": 10_000, "per_layer": True}
 config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
                    options={"capture": {"dataset": str(out / "ds"), "policy": policy,
-                                        "batch": 4}})
+                                        "batch": 4, "budget_bytes": 4 << 20}})
+# a small budget bounds the writer's backlog, so the flush at SIGTERM/SIGINT stays short
+# on a loaded machine (the loop captures every call of every step)
 engine = HFEngine.from_builtin("llama", arm=config)
 prompts = ["kernels and caches meet the scheduler", "a shorter prompt", "hi"]
 for n in range(rounds):

@@ -80,7 +80,7 @@ def test_sigterm_and_sigint_flush_the_writer(tmp_path, signum):
     proc = _start(tmp_path)
     _wait_for(proc, "round 1")
     proc.send_signal(signum)
-    proc.wait(timeout=120)
+    proc.wait(timeout=300)
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
     assert summary["written"] == _readable_lines(tmp_path / "ds") > 0
     assert validate_dataset(tmp_path / "ds") == []

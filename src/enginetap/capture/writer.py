@@ -9,13 +9,21 @@ catches up, ``drop`` drops the workload and counts it. The writer is flushed and
 A write error (disk full, permission, a refused workload) stops the writer: it is logged
 once with what/why/fix, later workloads are counted as dropped, and the engine serves on.
 One writer thread per dataset: the dataset store enforces it.
+
+The engine thread and the writer share no lock. SIGTERM/SIGINT unwind the engine thread
+by raising wherever it is (see :mod:`enginetap.capture.runtime`); raised inside a
+``queue.Queue`` or ``threading.Condition`` call, that can leave the primitive's lock held
+or a wake-up lost, and the flush at exit then waits forever (seen in tests). So the hand-over
+is a ``deque`` (its append and popleft are atomic), byte counts are written each by one
+thread only, and the writer and a waiting engine thread poll at millisecond intervals.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +38,10 @@ logger = logging.getLogger("enginetap.capture")
 
 __all__ = ["Item", "Writer", "WriterStats"]
 
-_STOP = object()
+_POLL_S = 0.001
+"""How often a writer with work, or an engine thread waiting for budget, looks again."""
+_IDLE_MAX_S = 0.02
+"""The longest an idle writer sleeps before looking for work (its latency when idle)."""
 
 
 @dataclass
@@ -77,13 +88,20 @@ class Writer:
         self.when_full = when_full
         self.batch = batch
         self.stats = WriterStats()
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._held = 0
-        self._room = threading.Condition()
+        self._pending: deque[Item] = deque()
+        self._submitted = 0
+        """Bytes handed over (written by the engine thread only)."""
+        self._done = 0
+        """Bytes written or dropped by the writer (written by the writer thread only)."""
         self._thread = threading.Thread(target=self._run, name="enginetap-capture-writer",
                                         daemon=True)
         self._closed = False
         self._thread.start()
+
+    @property
+    def held(self) -> int:
+        """Bytes handed over and not yet written."""
+        return self._submitted - self._done
 
     def submit(self, item: Item) -> bool:
         """Hand ``item`` to the writer; False when it was dropped (counted)."""
@@ -91,34 +109,46 @@ class Writer:
             self.stats.dropped_after_error += 1
             item.release()
             return False
-        with self._room:
-            if self._held + item.nbytes > self.budget and self._held > 0:
-                if self.when_full == "drop":
-                    self.stats.dropped_full += 1
-                    item.release()
-                    return False
-                self._room.wait_for(lambda: self._held == 0 or self.stats.error
-                                    or self._held + item.nbytes <= self.budget)
-            self._held += item.nbytes
-        self._queue.put(item)
+        if self.held > 0 and self.held + item.nbytes > self.budget:
+            if self.when_full == "drop":
+                self.stats.dropped_full += 1
+                item.release()
+                return False
+            while (self.held > 0 and self.held + item.nbytes > self.budget
+                   and not self.stats.error and self._thread.is_alive()):
+                time.sleep(_POLL_S)
+        self._submitted += item.nbytes
+        self._pending.append(item)
         return True
 
     def close(self, timeout: float | None = None) -> WriterStats:
         """Write everything submitted, stop the thread, and return the counts."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put(_STOP)
+        self._closed = True
         self._thread.join(timeout)
         return self.stats
 
     def _run(self) -> None:
-        stop = False
-        while not stop:
-            items = [self._queue.get()]
-            while len(items) < self.batch and not self._queue.empty():
-                items.append(self._queue.get())
-            stop = items[-1] is _STOP or _STOP in items
-            self._commit([i for i in items if i is not _STOP])
+        idle = _POLL_S
+        while True:
+            items = self._take()
+            if items:
+                self._commit(items)
+                idle = _POLL_S
+            elif self._closed:
+                if not self._pending:  # closed, and nothing arrived since the last look
+                    return
+            else:
+                time.sleep(idle)
+                idle = min(idle * 2, _IDLE_MAX_S)
+
+    def _take(self) -> list[Item]:
+        items: list[Item] = []
+        while len(items) < self.batch:
+            try:
+                items.append(self._pending.popleft())
+            except IndexError:
+                break
+        return items
 
     def _commit(self, items: list[Item]) -> None:
         if not items:
@@ -138,9 +168,7 @@ class Writer:
         finally:
             for item in items:
                 item.release()
-            with self._room:
-                self._held -= sum(i.nbytes for i in items)
-                self._room.notify_all()
+            self._done += sum(i.nbytes for i in items)
 
     def _write(self, items: list[Item]) -> None:
         """One batch commit; if the dataset refuses a record, the batch is written record

@@ -49,15 +49,20 @@ def _bind(call: ProbeCall) -> tuple[Any, Any]:
     return args.get("x"), args.get("residual")
 
 
-def _define(call: ProbeCall, fused: bool) -> Definition | None:
+def _define(call: ProbeCall, fused: bool, offset: bool = False) -> Definition | None:
+    """The family of this call: plain or fused (a residual given), and for Gemma-style
+    norms (``offset``) the ``_offset`` forms, whose weight must be in the activation dtype."""
     x, residual = _bind(call)
     weight = getattr(call.instance, "weight", None)
     if (residual is not None) != fused or x is None or weight is None or weight.dim() != 1:
         return None
     dtype = DTYPES.get(x.dtype)
-    if dtype is None or x.shape[-1] != weight.shape[0] or not _plain(call.instance):
+    if dtype is None or x.shape[-1] != weight.shape[0]:
         return None
-    family = "fused_add_rmsnorm" if fused else "rmsnorm"
+    described = DTYPES.get(weight.dtype) == dtype if offset else _plain(call.instance)
+    if not described:
+        return None
+    family = ("fused_add_rmsnorm" if fused else "rmsnorm") + ("_offset" if offset else "")
     return instantiate(family, hidden_size=int(weight.shape[0]), dtype=dtype)
 
 
@@ -100,18 +105,6 @@ NORM_PROBES = [
 ]
 
 
-def _define_offset(call: ProbeCall, fused: bool) -> Definition | None:
-    x, residual = _bind(call)
-    weight = getattr(call.instance, "weight", None)
-    if (residual is not None) != fused or x is None or weight is None or weight.dim() != 1:
-        return None
-    dtype = DTYPES.get(x.dtype)
-    if dtype is None or x.shape[-1] != weight.shape[0] or DTYPES.get(weight.dtype) != dtype:
-        return None
-    family = "fused_add_rmsnorm_offset" if fused else "rmsnorm_offset"
-    return instantiate(family, hidden_size=int(weight.shape[0]), dtype=dtype)
-
-
 def _adapt_offset(call: ProbeCall) -> Extracted:
     """As :func:`_adapt`, with the stored ``w`` as the weight (no cast: it is what the
     family takes, and the engine forms ``1 + w`` in float32 from it)."""
@@ -124,10 +117,10 @@ def _adapt_offset(call: ProbeCall) -> Extracted:
 
 
 GEMMA_NORM_PROBES = [
-    Probe("vllm.gemma_rmsnorm", "rmsnorm_offset", lambda c: _define_offset(c, False),
+    Probe("vllm.gemma_rmsnorm", "rmsnorm_offset", lambda c: _define(c, False, offset=True),
           _adapt_offset, target=GEMMA_NORM_TARGETS[0], before=_before,
           description="GemmaRMSNorm.forward(x) (Qwen3-Next's norms)"),
     Probe("vllm.gemma_rmsnorm.fused_add", "fused_add_rmsnorm_offset",
-          lambda c: _define_offset(c, True), _adapt_offset, target=GEMMA_NORM_TARGETS[0],
+          lambda c: _define(c, True, offset=True), _adapt_offset, target=GEMMA_NORM_TARGETS[0],
           before=_before, description="GemmaRMSNorm.forward(x, residual)"),
 ]
