@@ -38,7 +38,7 @@ def test_a_replicated_checkpoint_that_differs_is_named(record: Recorder, tmp_pat
 
     def edit(r: dict) -> None:
         _flip(r, 2, "L1.in", "r1")        # replicated: must be reported
-        _flip(r, 1, "L0.mlp.out", "r0")   # a shard under TP: not compared
+        _flip(r, 1, "L0.attn.kv_written", "r0")  # a shard under TP: not compared
 
     _as_two_ranks(out, edit)
     run = load_run(out)

@@ -60,6 +60,7 @@ def report(
             "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
                        "continuity": [v.to_json() for v in r.continuity],
                        "metadata": [v.to_json() for v in r.metadata],
+                       "metadata_checked": r.metadata_rows,
                        "sampler": [vars(f) for f in r.sampler]} for r in analysis.ranks],
             "cross_rank": [m.to_json() for m in analysis.cross_rank]}, indent=1))
     else:
@@ -93,7 +94,9 @@ def diff(
 
 
 def _describe(d) -> str:
-    lines = [f"rank {d.rank}: {d.rows_compared} aligned rows compared, {d.rows_diverged} "
+    where = (f"ranks merged (A {d.merged[0]}, B {d.merged[1]}; checkpoints whole on every "
+             "rank compared)" if d.merged else f"rank {d.rank}")
+    lines = [f"{where}: {d.rows_compared} aligned rows compared, {d.rows_diverged} "
              f"diverged, {d.rows_token_diverged} with different earlier tokens, "
              f"{d.only_a} only in A, {d.only_b} only in B"]
     if d.first is not None:

@@ -246,6 +246,7 @@ class TapRecorder:
             "engine": step.engine, "engine_version": hooks.engine_version(),
             "world_size": self.context.world_size, "tp_size": self.context.world_size,
             "kv_block_size": step.kv_block_size, "models": self.models,
+            "cache_groups": step.extra.get("cache_groups"),
             "options": self.options.model_dump(), "compiled": torch.compiler.is_compiling(),
             "cuda_graphs": capturing(), "eager": not capturing(),
             "torch": torch.__version__, "host": platform.node(),
