@@ -46,8 +46,7 @@ class TapRecorder:
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
         self.sink = RecordSink(self.writer, background=torch.cuda.is_available())
-        self.vectors = None if options.vectors == "off" else VectorDump(
-            context.out_dir, context.rank, options.vectors, options.vector_steps)
+        self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)
         self.filters = [options.request_filter, context.config.request_filter]
         self.prefixes = PrefixTracker()
         self.models: list[dict[str, Any]] = []
