@@ -1,7 +1,8 @@
 """Tap on vLLM CPU at kernel level (tiny qwen3_next: gated delta rule, full attention, MoE).
 
-Two engine runs (``vllm_tap_run.py``, see its docstring for the phases): TP=1 with faults
-injected by test code, then TP=2 without. The checks: the KV row written this step, the
+Three engine runs: TP=1 with faults injected by test code (``vllm_tap_run.py``, see its
+docstring for the phases), then ``enginetap tap run --engine vllm`` at TP=1 and TP=2 on
+the built-in prompt pairs. The checks: the KV row written this step, the
 gated-delta/convolution state around it and the sampler are recorded and continuous; a
 corrupted row is named by the pair analysis at the layer and sublayer it was corrupted;
 an overwritten KV row and an overwritten state slot are named by continuity (layer,
@@ -41,16 +42,18 @@ def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
     out = tmp_path_factory.mktemp("tap-vllm")
     model = str(build_model("qwen3_next"))
-    for tp, extra in ((1, ["--faults"]), (2, [])):
-        # every row of the prefill step is tapped (143 rows), not only the last 64
-        config = {"enabled": True, "capabilities": ["tap"], "out_dir": str(out / f"tp{tp}"),
-                  "options": {"tap": {"max_rows": 256}}}
-        (out / f"arming{tp}.json").write_text(json.dumps(config))
-        env = child_env({"ENGINETAP_CONFIG": str(out / f"arming{tp}.json"),
-                         "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-        run_script([str(HERE / "vllm_tap_run.py"), model, str(out / f"tp{tp}.json"),
-                    "--tp", str(tp), *extra], env, out / f"tp{tp}.log")
-    return {"root": out, "tp1": out / "tp1", "tp2": out / "tp2"}
+    # every row of the prefill step is tapped (143 rows), not only the last 64
+    config = {"enabled": True, "capabilities": ["tap"], "out_dir": str(out / "tp1"),
+              "options": {"tap": {"max_rows": 256}}}
+    (out / "arming.json").write_text(json.dumps(config))
+    run_script([str(HERE / "vllm_tap_run.py"), model, str(out / "tp1.json"), "--faults"],
+               child_env({"ENGINETAP_CONFIG": str(out / "arming.json")}), out / "tp1.log")
+    for tp in (1, 2):
+        run_script(["-m", "enginetap.cli.main", "tap", "run", "--engine", "vllm", "--model",
+                    model, "--prompts", "builtin:pairs", "--max-new-tokens", "4", "--tp",
+                    str(tp), "--out", str(out / f"cli{tp}")], child_env(),
+                   out / f"cli{tp}.log")
+    return {"root": out, "tp1": out / "tp1", "cli1": out / "cli1", "cli2": out / "cli2"}
 
 
 def _report(runs: dict[str, Path], tp: int) -> dict:
@@ -112,14 +115,14 @@ def test_identical_requests_never_split_and_tapping_changes_no_token(runs) -> No
 
 
 def test_tp1_vs_tp2_diff_runs_end_to_end_after_merging_ranks(runs) -> None:
-    tp2 = load_run(runs["tp2"])
+    tp2 = load_run(runs["cli2"])
     assert sorted(tp2.ranks) == [0, 1] and tp2.header["tp_size"] == 2
     html = runs["root"] / "diff.html"
-    done = CliRunner().invoke(app, ["tap", "diff", str(runs["tp1"]), str(runs["tp2"]),
+    done = CliRunner().invoke(app, ["tap", "diff", str(runs["cli1"]), str(runs["cli2"]),
                                     "--html", str(html)])
     assert done.exit_code in (0, 1), done.output
     assert done.output.startswith("ranks merged (A 1, B 2;")
-    done_json = CliRunner().invoke(app, ["tap", "diff", str(runs["tp1"]), str(runs["tp2"]),
+    done_json = CliRunner().invoke(app, ["tap", "diff", str(runs["cli1"]), str(runs["cli2"]),
                                          "--json"])
     (result,) = json.loads(done_json.output)
     assert result["merged"] == [1, 2] and result["rows_compared"] > 0
@@ -132,12 +135,12 @@ def test_tp1_vs_tp2_diff_runs_end_to_end_after_merging_ranks(runs) -> None:
 
 
 def test_tp2_replicated_checkpoints_agree_rank_to_rank(runs) -> None:
-    tp2: TapRun = load_run(runs["tp2"])
+    tp2: TapRun = load_run(runs["cli2"])
     ranks = [tp2.rank(r) for r in (0, 1)]
     assert [[(r["key"], r["pos"]) for s in k.steps for r in s.rows] for k in ranks][0] == \
         [(r["key"], r["pos"]) for s in ranks[1].steps for r in s.rows]
     # all-reduced outputs are whole on each rank and must be bitwise equal
     assert compare_ranks(tp2) == []
-    done = CliRunner().invoke(app, ["tap", "report", str(runs["tp2"])])
+    done = CliRunner().invoke(app, ["tap", "report", str(runs["cli2"])])
     assert done.exit_code == 0, done.output
     assert "cross-rank: 0 replicated checkpoint(s) differ between ranks" in done.output
