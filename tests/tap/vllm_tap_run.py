@@ -59,8 +59,8 @@ def _corrupt_row(wrapped, instance, args, kwargs):
         row = step.rows.token_index[step.rows.rows_of_key("f1")[-1]]
         out = out.clone()
         out.view(-1, out.shape[-1])[row, 0] += 0.5
-        FAULTS["written"]["row"] = {"key": "f1", "step": step.step,
-                                    "position": step.rows.positions[step.rows.rows_of_key("f1")[-1]]}
+        position = step.rows.positions[step.rows.rows_of_key("f1")[-1]]
+        FAULTS["written"]["row"] = {"key": "f1", "step": step.step, "position": position}
     return out
 
 

@@ -3,9 +3,12 @@
 Under TP every rank holds the full residual stream: a decoder layer's input and output,
 the norms' outputs and the all-reduced outputs of attention, gated-delta, MLP and MoE
 blocks are replicated, while their internals (kernel outputs, KV rows, recurrent state,
-shared-expert partial sums) are shards. Rows are aligned by (step, request key, position); a replicated
-checkpoint whose hash differs between ranks names the step, checkpoint, request and
-position, and the ranks that disagree with rank 0.
+shared-expert partial sums) are shards. Rows are aligned by (step, request key,
+position); a replicated checkpoint whose hash differs between ranks names the step,
+checkpoint, request and position, and the ranks that disagree with rank 0.
+
+:func:`merge_ranks` gives the view of a multi-rank run that runs of other TP sizes are
+compared with: only what is whole on every rank.
 """
 
 from __future__ import annotations

@@ -109,18 +109,8 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
     Raises:
         ConfigError: the model or the tap options are invalid, or vLLM is not installed.
     """
-    from enginetap.config import ARMING_VARS, ArmConfig
-
     model_dir = _model_dir(model)
-    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
-                       options={"tap": tap or {}, "step": {"record": False}})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "arming.json").write_text(config.model_dump_json(), encoding="utf-8")
-    for name in ARMING_VARS:
-        os.environ.pop(name, None)
-    os.environ["ENGINETAP_CONFIG"] = str(out / "arming.json")
-    if tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    _arm_vllm_processes(out, tap or {}, tp)
     try:
         from vllm import LLM, SamplingParams
     except ImportError:
@@ -140,6 +130,21 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
         import gc
 
         gc.collect()
+
+
+def _arm_vllm_processes(out: Path, tap: dict[str, Any], tp: int) -> None:
+    """This process's environment arms every vLLM process it starts (and itself)."""
+    from enginetap.config import ARMING_VARS, ArmConfig
+
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
+                       options={"tap": tap, "step": {"record": False}})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "arming.json").write_text(config.model_dump_json(), encoding="utf-8")
+    for name in ARMING_VARS:
+        os.environ.pop(name, None)
+    os.environ["ENGINETAP_CONFIG"] = str(out / "arming.json")
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def _model_dir(model: str) -> Path:
