@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,15 +25,15 @@ class TapInstall:
     names: CheckpointNames = field(default_factory=CheckpointNames)
 
     def add_model(self, model: Any, targets: list[str],
-                  points: list[tuple[str, Callable[..., Any]]] = ()) -> None:
+                  points: Sequence[tuple[str, Callable[..., Any]]] = ()) -> None:
         """Wrap ``model``'s sublayer classes (once per class), its own forward and the
         engine's kernel-level ``points`` (``(target, factory(recorder, names))``)."""
         self.recorder.model_loaded(model)
         self.names.add_model(model)
         cls = type(model)
         own = f"{cls.__module__}:{cls.__qualname__}.forward"
-        factories = {t: lambda r, n: sublayer_wrapper(r, n) for t in targets}
-        factories[own] = lambda r, n: logits_wrapper(r)
+        factories: dict[str, Callable[..., Any]] = dict.fromkeys(targets, sublayer_wrapper)
+        factories[own] = lambda recorder, _: logits_wrapper(recorder)
         factories.update(points)
         new = [t for t in factories if t not in self.targets]
         self.targets.update(new)
