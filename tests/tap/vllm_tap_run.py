@@ -1,6 +1,6 @@
 """Drive an armed vLLM CPU (tiny qwen3_next) through the tap checks; write what came out.
 
-``python vllm_tap_run.py MODEL OUT.json [--tp N] [--faults]``; the arming (``tap``) comes
+``python vllm_tap_run.py MODEL OUT.json [--tp N] [--faults | --compiled]``; the arming (``tap``) comes
 from the environment the test gives. The engine core runs in this process, so each
 ``engine.step()`` is one scheduler step and batches are the same on every run. Phases,
 one after the other in one engine (prefix caching off: identical prompts are computed):
@@ -13,6 +13,8 @@ one after the other in one engine (prefix caching off: identical prompts are com
   copies ``k0``'s recurrent state over ``k1``'s slot in layer 1;
 - ``again`` (``--faults``, TP=1): the worker disarms and ``same`` runs again (armed vs
   disarmed tokens).
+
+With ``--compiled`` the engine compiles the model (not ``enforce_eager``) and runs ``same``.
 
 The injections live here, in test code, never in enginetap. vLLM's spawned processes
 re-import ``__main__``, hence the guard.
@@ -110,11 +112,11 @@ def install_faults() -> Any:
     return faults.install()
 
 
-def make_llm(model: str, tp: int):
+def make_llm(model: str, tp: int, compiled: bool = False):
     from vllm import LLM
 
     return LLM(model=model, tensor_parallel_size=tp, gpu_memory_utilization=0.25,
-               enforce_eager=True, max_model_len=256, max_num_batched_tokens=256,
+               enforce_eager=not compiled, max_model_len=256, max_num_batched_tokens=256,
                max_num_seqs=8, enable_prefix_caching=False, seed=0)
 
 
@@ -140,9 +142,10 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--faults", action="store_true")
+    parser.add_argument("--compiled", action="store_true")
     args = parser.parse_args()
     faults = install_faults() if args.faults else None
-    engine = make_llm(args.model, args.tp).llm_engine
+    engine = make_llm(args.model, args.tp, args.compiled).llm_engine
     texts = prompts()
     report: dict[str, Any] = {"same": run_phase(engine, "same", texts)}
     if faults is not None:

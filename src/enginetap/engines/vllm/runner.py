@@ -231,12 +231,19 @@ def read_step(runner: Any, number: int, inputs: dict[str, Any], scheduled: Any,
     )
     prefill_rows = sum(reqs.prefill[r] for r in owner)
     extra = {"runner": "v1", "num_reqs": len(reqs.ids), "cache_groups": slots.layer_groups,
+             "compiled": _compiled(runner),
              "prefill_requests": [i for i, p in zip(reqs.ids, reqs.prefill) if p]}
     padded = inputs.get("input_ids")
     padded = padded.shape[0] if padded is not None else num_tokens
     return Step("vllm", number, Step.mode_of(prefill_rows, num_tokens - prefill_rows), rows,
                 rank=rank_world[0], world_size=rank_world[1], padded_tokens=int(padded),
                 kv_block_size=slots.kv_block_size, extra=extra)
+
+
+def _compiled(runner: Any) -> str | None:
+    """vLLM's torch.compile mode for the model (``VLLM_COMPILE``...), None when eager."""
+    mode = getattr(getattr(runner.vllm_config, "compilation_config", None), "mode", 0)
+    return getattr(mode, "name", str(mode)) if mode else None
 
 
 def _positions(inputs: dict[str, Any], runner: Any, num_tokens: int) -> list[int]:
