@@ -78,3 +78,20 @@ def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown built-in prompt set 'nope'"):
         load_prompts("builtin:nope")
     assert load_prompts("builtin:pairs").count("the cache holds every key") == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--engine", "sglang"], "unknown engine 'sglang'"),
+    (["--engine", "builtin", "--tp", "2"], "--tp needs --engine vllm"),
+])
+def test_tap_run_refuses_an_engine_it_cannot_run(tmp_path: Path, args: list[str],
+                                                 message: str) -> None:
+    from typer.testing import CliRunner
+
+    from enginetap.cli.main import app
+    from enginetap.errors import ConfigError
+
+    done = CliRunner().invoke(app, ["tap", "run", "--model", "builtin:llama", "--prompts",
+                                    "builtin:short", "--out", str(tmp_path / "run"), *args])
+    assert isinstance(done.exception, ConfigError) and message in str(done.exception)
+    assert not (tmp_path / "run").exists()

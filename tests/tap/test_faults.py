@@ -117,3 +117,36 @@ def test_an_overwritten_kv_row_is_named(record: Recorder) -> None:
     assert (first.step, first.checkpoint, first.key, first.position, first.slot) == (
         2, "L0.attn.kv_written", "r0", r0["pos"], r0["kv_slot"])
     assert {(v.key, v.checkpoint) for v in found} == {("r0", "L0.attn.kv_written")}
+
+
+def test_a_mask_that_hides_a_cached_token_is_named_by_the_metadata_check(
+        record: Recorder) -> None:
+    """A decode step whose attention mask drops one of r1's cached columns (a padding
+    bug): the kernels' sequence length no longer equals computed + planned tokens."""
+    from enginetap.engines.hf import engine as engine_module
+    from enginetap.tap.continuity import check_metadata, metadata_checked
+
+    original = engine_module.plan_decode
+    calls = {"n": 0}
+
+    def drop_a_column(seqs, mask, capacity, recurrent):
+        plan = original(seqs, mask, capacity, recurrent)
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second decode step
+            b = next(i for i, s in enumerate(seqs) if s.request.request_id == "r1")
+            plan.attention_mask[b, -2] = 0
+        return plan
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "plan_decode", drop_a_column)
+        _, run = record("llama", requests(SAME, max_new_tokens=4))
+    rank = run.rank(0)
+    found = check_metadata(rank)
+    assert found and {(v.kind, v.key) for v in found} == {("seq_len", "r1")}
+    first = found[0]
+    step2 = next(s for s in rank.steps if s.step == 2)
+    r1 = next(r for r in step2.rows if r["key"] == "r1")
+    assert (first.step, first.position) == (2, r1["pos"])
+    assert f"expected {r1['computed_host']} computed + 1 planned" in first.detail
+    rows = sum(len(s.rows) for s in rank.steps)
+    assert metadata_checked(rank)["lengths"] == rows

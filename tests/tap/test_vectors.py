@@ -64,3 +64,48 @@ def test_a_step_window_writes_those_steps(record: Recorder) -> None:
                                                         "step2.safetensors"]
     with safe_open(str(folder / "step1.safetensors"), "pt") as f:
         assert f.get_tensor("L1.out").dtype == torch.float32
+
+
+def test_a_control_file_edited_mid_run_moves_the_dumps(record: Recorder, tmp_path,
+                                                      caplog) -> None:
+    control = tmp_path / "vectors.json"
+    control.write_text(json.dumps({"steps": [0, 0]}))
+    original = HFEngine._advance
+
+    def edit_between_steps(self, seqs, logits, cache, mask):
+        result = original(self, seqs, logits, cache, mask)
+        if self.steps == 1:  # inside step 1: from now on steps 3-4, one layer, one request
+            control.write_text(json.dumps({"steps": [3, 4], "checkpoints": ["L1.out", "L0.mlp"],
+                                           "requests": ["r1"]}))
+        elif self.steps == 4:
+            control.write_text("{not json")
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HFEngine, "_advance", edit_between_steps)
+        _, run = record("llama", requests(SAME, max_new_tokens=6), vectors="control",
+                        vector_control=str(control))
+    folder = run.root / "tap-vectors-rank0"
+    # step 0 by the first content; 1 and 2 outside the new window; 3 by the new one; 4
+    # and 5 after the file became invalid (logged, nothing written)
+    assert sorted(p.name for p in folder.iterdir()) == ["step0.safetensors", "step3.safetensors"]
+    step0 = next(s for s in run.rank(0).steps if s.step == 0)
+    with safe_open(str(folder / "step0.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(step0.checkpoints)
+        assert len(json.loads(f.metadata()["rows"])) == len(step0.rows)
+    with safe_open(str(folder / "step3.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"L1.out", "L0.mlp.out"}
+        assert [key for key, _ in json.loads(f.metadata()["rows"])] == ["r1"]
+        assert f.get_tensor("L1.out").shape[0] == 1
+    assert "vector control file" in caplog.text and "is not valid" in caplog.text
+
+
+def test_control_options_are_checked_when_the_config_is_parsed() -> None:
+    from pydantic import ValidationError
+
+    from enginetap.tap.options import TapOptions
+
+    with pytest.raises(ValidationError, match="vector_control"):
+        TapOptions(vectors="control")
+    with pytest.raises(ValidationError, match="vector_steps"):
+        TapOptions(vectors="window")

@@ -19,28 +19,34 @@ def run(
     model: Annotated[str, typer.Option(help="builtin:NAME or a model folder.")],
     prompts: Annotated[str, typer.Option(help="A prompt FILE or builtin:NAME (pairs, short).")],
     out: Annotated[Path, typer.Option(help="Directory for the tap files.")],
-    engine: Annotated[str, typer.Option(
-        help="builtin (vLLM: arm it with ENGINETAP_CAPABILITIES=tap).")] = "builtin",
+    engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
     max_rows: Annotated[int, typer.Option(min=1)] = 64,
-    tp: Annotated[int, typer.Option(min=1)] = 1,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vllm).")] = 1,
+    dtype: Annotated[str, typer.Option(
+        help="float32 or bfloat16 (builtin; vLLM takes the model's).")] = "float32",
 ) -> None:
-    """Record a tap run of PROMPTS on the built-in engine."""
-    from enginetap.tap.run import load_prompts, record_run
+    """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
+    from enginetap.tap.run import load_prompts, record_run, record_vllm_run
 
-    if engine != "builtin" or tp != 1:
-        raise ConfigError(f"`tap run` records on the built-in engine only (asked: {engine}, "
-                          f"TP {tp})", "vLLM runs are armed inside vLLM itself",
-                          "run vLLM with ENGINETAP=1 ENGINETAP_CAPABILITIES=tap "
-                          "ENGINETAP_OUT=DIR, then use `enginetap tap report DIR`")
+    if engine not in ("builtin", "vllm"):
+        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
+                          "pass --engine builtin or --engine vllm")
+    if tp > 1 and engine != "vllm":
+        raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
+                          "pass --engine vllm, or drop --tp")
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"unknown dtype {dtype!r}", "the built-in engine runs float32 or "
                           "bfloat16", "pass --dtype float32 or --dtype bfloat16")
     texts = load_prompts(prompts)
-    outputs = record_run(model, texts, out, batch_size=batch_size,
-                         max_new_tokens=max_new_tokens, tap={"max_rows": max_rows}, dtype=dtype)
+    tap = {"max_rows": max_rows}
+    if engine == "vllm":
+        outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
+                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp)
+    else:
+        outputs = record_run(model, texts, out, batch_size=batch_size,
+                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)
     typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
 
 
@@ -60,6 +66,7 @@ def report(
             "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
                        "continuity": [v.to_json() for v in r.continuity],
                        "metadata": [v.to_json() for v in r.metadata],
+                       "metadata_checked": r.metadata_rows,
                        "sampler": [vars(f) for f in r.sampler]} for r in analysis.ranks],
             "cross_rank": [m.to_json() for m in analysis.cross_rank]}, indent=1))
     else:
@@ -93,7 +100,9 @@ def diff(
 
 
 def _describe(d) -> str:
-    lines = [f"rank {d.rank}: {d.rows_compared} aligned rows compared, {d.rows_diverged} "
+    where = (f"ranks merged (A {d.merged[0]}, B {d.merged[1]}; checkpoints whole on every "
+             "rank compared)" if d.merged else f"rank {d.rank}")
+    lines = [f"{where}: {d.rows_compared} aligned rows compared, {d.rows_diverged} "
              f"diverged, {d.rows_token_diverged} with different earlier tokens, "
              f"{d.only_a} only in A, {d.only_b} only in B"]
     if d.first is not None:

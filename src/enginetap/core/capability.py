@@ -151,6 +151,8 @@ class EngineHooks:
     - :meth:`on_model_loaded` registers a callback run with each model the engine loads
       (before its first step): module scope, capture probes on instances, self-checks;
     - :meth:`sublayer_targets` names the sublayer entry points of a loaded model;
+    - :meth:`tap_points` names the engine's kernel-level tap points of a loaded model
+      (KV rows, recurrent state, logits), each with its wrapper factory;
     - :meth:`tp_group` is the tensor-parallel group (None: the default or none);
     - :meth:`capture_probes` is the engine's probe table (data, see
       :mod:`enginetap.capture.probe`), :meth:`engine_version` its version for receipts.
@@ -177,6 +179,11 @@ class EngineHooks:
             callback(model)
 
     def sublayer_targets(self, model: Any) -> list[str]:
+        return []
+
+    def tap_points(self, model: Any) -> list[tuple[str, Callable[..., Any]]]:
+        """``(target, factory)`` pairs; the tap installs ``factory(recorder, names)`` (a
+        wrapper) on each target (none by default)."""
         return []
 
     def tp_group(self) -> Any:

@@ -33,7 +33,8 @@ __all__ = ["Mode", "Step", "StepRows", "abandon", "current_step", "publish", "st
            "subscribe", "unsubscribe"]
 
 _ROW_COLUMNS = ("positions", "token_ids", "query_start", "computed_host", "computed_device",
-                "kv_slots", "state_slots", "token_index", "request_keys")
+                "kv_slots", "state_slots", "token_index", "request_keys", "planned_tokens",
+                "query_lens", "seq_lens")
 
 
 @dataclass(slots=True)
@@ -63,6 +64,14 @@ class StepRows:
     the first group's)."""
     state_groups: dict[str, list[int]] | None = None
     """Recurrent-state slot per row for every recurrent cache group, by group name."""
+    planned_tokens: list[int] | None = None
+    """Tokens the host scheduler planned for the row's request this step."""
+    query_lens: list[int] | None = None
+    """Tokens of the row's request in this step as the forward's prepared metadata has
+    them (the valid length; None where the engine exposes only the plan)."""
+    seq_lens: list[int] | None = None
+    """The row's request's sequence length (cached plus this step's tokens) as the
+    kernels see it; it must equal ``computed_host + planned_tokens``."""
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)

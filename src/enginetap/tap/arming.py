@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,17 +24,20 @@ class TapInstall:
     targets: set[str] = field(default_factory=set)
     names: CheckpointNames = field(default_factory=CheckpointNames)
 
-    def add_model(self, model: Any, targets: list[str]) -> None:
-        """Wrap ``model``'s sublayer classes (once per class) and its own forward."""
+    def add_model(self, model: Any, targets: list[str],
+                  points: Sequence[tuple[str, Callable[..., Any]]] = ()) -> None:
+        """Wrap ``model``'s sublayer classes (once per class), its own forward and the
+        engine's kernel-level ``points`` (``(target, factory(recorder, names))``)."""
         self.recorder.model_loaded(model)
         self.names.add_model(model)
         cls = type(model)
         own = f"{cls.__module__}:{cls.__qualname__}.forward"
-        new = [t for t in dict.fromkeys([*targets, own]) if t not in self.targets]
+        factories: dict[str, Callable[..., Any]] = dict.fromkeys(targets, sublayer_wrapper)
+        factories[own] = lambda recorder, _: logits_wrapper(recorder)
+        factories.update(points)
+        new = [t for t in factories if t not in self.targets]
         self.targets.update(new)
-        self.patches.install_more(
-            (t, logits_wrapper(self.recorder) if t == own
-             else sublayer_wrapper(self.recorder, self.names)) for t in new)
+        self.patches.install_more((t, factories[t](self.recorder, self.names)) for t in new)
 
     def uninstall(self) -> None:
         self.patches.uninstall()
@@ -51,7 +55,8 @@ def install(context: ArmContext) -> InstallResult:
     assert isinstance(options, TapOptions)
     installed = TapInstall(TapRecorder(context, options).install())
     context.hooks.on_model_loaded(
-        lambda model: installed.add_model(model, context.hooks.sublayer_targets(model)))
+        lambda model: installed.add_model(model, context.hooks.sublayer_targets(model),
+                                          context.hooks.tap_points(model)))
     context.notes["tap"] = installed.recorder
     return installed, (f"tap (up to {options.max_rows} rows per step, writing to "
                        f"{installed.recorder.writer.path})")

@@ -6,7 +6,10 @@ same function of the same tokens, except where a checkpoint reads more than the 
 - ``kv_prev`` at position 0 re-reads a padding column, not the request's;
 - a recurrent state (``state_``/``conv_`` ``before``/``after``) covers every token of its
   request up to the step's start or end, so it is comparable only between the requests'
-  last rows of the step, and only where both had computed as many tokens before it.
+  last rows of the step, and only where both had computed as many tokens before it;
+  before a request's first token its state slot holds nothing of the request (an engine
+  that reuses slots leaves a finished request's state there), so ``before`` states are
+  not compared at a request's first step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 __all__ = ["PER_REQUEST", "comparable", "compared", "last_of_request"]
 
 PER_REQUEST = (".state_before", ".state_after", ".conv_before", ".conv_after")
+_BEFORE = (".state_before", ".conv_before")
 
 
 def compared(name: str, position: int) -> bool:
@@ -29,8 +33,10 @@ def comparable(name: str, a: dict[str, Any], b: dict[str, Any], both_last: bool)
     (``both_last``: each is its request's last row in the step)."""
     if not compared(name, a["pos"]):
         return False
-    if name.split("#")[0].endswith(PER_REQUEST):
-        return both_last and a["computed_host"] == b["computed_host"]
+    base = name.split("#")[0]
+    if base.endswith(PER_REQUEST):
+        fresh = base.endswith(_BEFORE) and a["computed_host"] == 0
+        return both_last and a["computed_host"] == b["computed_host"] and not fresh
     return True
 
 

@@ -4,7 +4,9 @@
   request's previous step (``Lk.gdn.state_before`` vs ``state_after``).
 - The KV row written for position p (``Lk.attn.kv_written``) equals that cache column
   re-read at the request's next step (``kv_prev`` of the row at p + 1).
-- Host and device computed-token counters agree where the engine has both.
+- Metadata: host and device computed-token counters agree; the tokens the scheduler
+  planned for a request equal the tokens the forward's metadata gives it (query length),
+  and the kernels' sequence length equals the computed tokens plus the planned ones.
 
 Violations name the checkpoint (layer), the slot, the request and the position.
 """
@@ -17,7 +19,7 @@ from typing import Any
 
 from enginetap.tap.files import RankTap, StepRecord
 
-__all__ = ["Violation", "check_continuity", "check_metadata"]
+__all__ = ["Violation", "check_continuity", "check_metadata", "metadata_checked"]
 
 _BEFORE = re.compile(r"^(.*)\.(state|conv)_before$")
 
@@ -25,7 +27,7 @@ _BEFORE = re.compile(r"^(.*)\.(state|conv)_before$")
 @dataclass
 class Violation:
     kind: str
-    """``state``, ``conv``, ``kv`` or ``counters``."""
+    """``state``, ``conv``, ``kv``; metadata: ``counters``, ``query_len``, ``seq_len``."""
     step: int
     checkpoint: str
     key: str
@@ -44,8 +46,16 @@ def _last_row_of(step: StepRecord) -> dict[str, int]:
     return last
 
 
+def _slot(groups: dict[str, str], row: dict[str, Any], layer: str, kind: str) -> Any:
+    """The row's slot in ``layer``'s cache group (``kind``: ``kv`` or ``state``); the
+    first group's where the engine has one group or names none."""
+    per_group = row.get(f"{kind}_groups") or {}
+    group = groups.get(layer)
+    return per_group[group] if group in per_group else row.get(f"{kind}_slot")
+
+
 def _check_states(step: StepRecord, after: dict[tuple[str, str], tuple[int, str]],
-                  out: list[Violation]) -> None:
+                  out: list[Violation], groups: dict[str, str]) -> None:
     index = {name: c for c, name in enumerate(step.checkpoints)}
     last = _last_row_of(step)
     for c, name in enumerate(step.checkpoints):
@@ -57,7 +67,7 @@ def _check_states(step: StepRecord, after: dict[tuple[str, str], tuple[int, str]
             if seen is not None and seen[1] != step.hashes[c][i]:
                 row = step.rows[i]
                 out.append(Violation(match.group(2), step.step, name, key, row["pos"],
-                                     row.get("state_slot"),
+                                     _slot(groups, row, match.group(1), "state"),
                                      f"differs from its hash after step {seen[0]}"))
     for name, c in index.items():
         if name.endswith(("state_after", "conv_after")):
@@ -67,7 +77,7 @@ def _check_states(step: StepRecord, after: dict[tuple[str, str], tuple[int, str]
 
 
 def _check_kv(step: StepRecord, written: dict[tuple[str, str, int], tuple[int, str, Any]],
-              out: list[Violation]) -> None:
+              out: list[Violation], groups: dict[str, str]) -> None:
     for c, name in enumerate(step.checkpoints):
         if name.endswith(".kv_prev"):
             layer = name[:-len(".kv_prev")]
@@ -83,7 +93,7 @@ def _check_kv(step: StepRecord, written: dict[tuple[str, str, int], tuple[int, s
             layer = name[:-len(".kv_written")]
             for i, row in enumerate(step.rows):
                 written[(layer, row["key"], row["pos"])] = (step.step, step.hashes[c][i],
-                                                           row.get("kv_slot"))
+                                                           _slot(groups, row, layer, "kv"))
 
 
 def check_continuity(rank: RankTap) -> list[Violation]:
@@ -91,20 +101,47 @@ def check_continuity(rank: RankTap) -> list[Violation]:
     out: list[Violation] = []
     after: dict[tuple[str, str], tuple[int, str]] = {}
     written: dict[tuple[str, str, int], tuple[int, str, Any]] = {}
+    groups = rank.header.get("cache_groups") or {}
     for step in rank.steps:
-        _check_states(step, after, out)
-        _check_kv(step, written, out)
+        _check_states(step, after, out, groups)
+        _check_kv(step, written, out, groups)
     return out
 
 
+def _row_metadata(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """(kind, detail) of every metadata disagreement of one row."""
+    found = []
+    host, device = row.get("computed_host"), row.get("computed_device")
+    if device is not None and device != host:
+        found.append(("counters", f"host {host} vs device {device}"))
+    planned, query, seq = row.get("planned"), row.get("query_len"), row.get("seq_len")
+    if planned is not None and query is not None and planned != query:
+        found.append(("query_len", f"planned {planned} token(s), the forward's metadata "
+                                   f"gives {query}"))
+    if planned is not None and seq is not None and host is not None and seq != host + planned:
+        found.append(("seq_len", f"kernels' sequence length {seq}, expected {host} computed "
+                                 f"+ {planned} planned = {host + planned}"))
+    return found
+
+
+def metadata_checked(rank: RankTap) -> dict[str, int]:
+    """How many tapped rows carried each metadata check's inputs (a clean check over no
+    rows says nothing)."""
+    rows = [row for step in rank.steps for row in step.rows]
+    return {"counters": sum(r.get("computed_device") is not None for r in rows),
+            "lengths": sum(r.get("planned") is not None and r.get("query_len") is not None
+                           for r in rows)}
+
+
 def check_metadata(rank: RankTap) -> list[Violation]:
-    """Rows whose host and device computed-token counters disagree."""
+    """Rows whose counters or lengths disagree (one violation per request, step and kind)."""
     out = []
     for step in rank.steps:
+        seen: set[tuple[str, str]] = set()
         for row in step.rows:
-            device = row.get("computed_device")
-            if device is not None and device != row.get("computed_host"):
-                out.append(Violation("counters", step.step, "rows", row["key"], row["pos"],
-                                     row.get("kv_slot"), f"host {row.get('computed_host')} "
-                                     f"vs device {device}"))
+            for kind, detail in _row_metadata(row):
+                if (row["key"], kind) not in seen:
+                    seen.add((row["key"], kind))
+                    out.append(Violation(kind, step.step, "rows", row["key"], row["pos"],
+                                         row.get("kv_slot"), detail))
     return out

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from enginetap.tap.crossrank import merge_ranks
 from enginetap.tap.files import RankTap, StepRecord, TapError, TapRun
 from enginetap.tap.pairs import layer_of
 from enginetap.tap.compare import comparable, last_of_request
@@ -64,13 +65,15 @@ class RunDiff:
     cells: Counter = field(default_factory=Counter)
     """(layer, step in run A) → aligned rows whose first divergence is there."""
     first: Divergence | None = None
+    merged: tuple[int, int] | None = None
+    """Rank counts of runs A and B where they differed (both merged before comparing)."""
 
     @property
     def diverged(self) -> bool:
         return bool(self.rows_diverged or self.rows_token_diverged)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "rows_compared": self.rows_compared,
+        return {"rank": self.rank, "merged": self.merged, "rows_compared": self.rows_compared,
                 "rows_diverged": self.rows_diverged,
                 "rows_token_diverged": self.rows_token_diverged,
                 "only_a": self.only_a, "only_b": self.only_b,
@@ -102,7 +105,10 @@ def _first_difference(a: Located, b: Located) -> str | None:
     where = {name: c for c, name in enumerate(sb.checkpoints)}
     for c, name in enumerate(sa.checkpoints):
         other = where.get(name)
-        if other is not None and sa.hashes[c][i] != sb.hashes[other][j] \
+        if other is None:
+            continue
+        ha, hb = sa.hashes[c][i], sb.hashes[other][j]
+        if ha is not None and hb is not None and ha != hb \
                 and comparable(name, sa.rows[i], sb.rows[j], both_last):
             return name
     return None
@@ -139,11 +145,17 @@ def diff_ranks(rank_a: RankTap, rank_b: RankTap, rank: int = 0) -> RunDiff:
 
 
 def diff_runs(run_a: TapRun, run_b: TapRun) -> list[RunDiff]:
-    """One :class:`RunDiff` per rank both runs have (rank to rank).
+    """One :class:`RunDiff` per rank both runs have (rank to rank); runs of different
+    rank counts (TP sizes) are compared once, each merged
+    (:func:`~enginetap.tap.crossrank.merge_ranks`: only checkpoints whole on every rank).
 
     Raises:
         TapError: the runs had different prompts, or share no rank.
     """
+    if len(run_a.ranks) != len(run_b.ranks):
+        merged = diff_ranks(merge_ranks(run_a), merge_ranks(run_b), 0)
+        merged.merged = (len(run_a.ranks), len(run_b.ranks))
+        return [merged]
     shared = sorted(run_a.ranks.keys() & run_b.ranks.keys())
     if not shared:
         raise TapError(f"{run_a.root} and {run_b.root} share no rank",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["TapOptions"]
 
@@ -28,13 +28,27 @@ class TapOptions(BaseModel):
     step, the KV row written this step and the previous one re-read."""
     sampler: bool = True
     """Argmax, runner-up and top-1/top-2 logit gap per tapped request."""
-    vectors: Literal["off", "split", "window"] = "off"
-    """Also write the raw tapped rows (safetensors): at each pair's first split, or for
-    the steps of ``vector_steps``."""
+    vectors: Literal["off", "split", "window", "control"] = "off"
+    """Also write the raw tapped rows (safetensors): at each pair's first split, for the
+    steps of ``vector_steps``, or as the ``vector_control`` file says."""
     vector_steps: list[int] = Field(default_factory=list, max_length=2)
     """``[first, last]`` step (inclusive) whose rows ``vectors="window"`` writes."""
+    vector_control: str = ""
+    """With ``vectors="control"``: a JSON file re-read at the end of every step,
+    ``{"steps": [first, last], "checkpoints": [...], "requests": [...]}`` (checkpoint
+    names or name prefixes like ``"L3"``, request-key substrings; both optional): the
+    rows written for the steps in that window. Missing or empty: nothing is written."""
     force: bool = False
     """Record even under torch.compile tracing or CUDA-graph capture (where the hooks
     would be traced into the graph); refused by default."""
     file: str = "tap"
     """Output name: ``<out_dir>/<file>-rank<r>.jsonl``."""
+
+    @model_validator(mode="after")
+    def _validate_vectors(self) -> TapOptions:
+        if (self.vectors == "control") != bool(self.vector_control):
+            raise ValueError("vectors='control' and vector_control (the control file's path) "
+                             "go together")
+        if self.vectors == "window" and len(self.vector_steps) != 2:
+            raise ValueError("vectors='window' needs vector_steps=[first, last]")
+        return self

@@ -44,8 +44,7 @@ class TapRecorder:
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
         self.sink = RecordSink(self.writer, background=torch.cuda.is_available())
-        self.vectors = None if options.vectors == "off" else VectorDump(
-            context.out_dir, context.rank, options.vectors, options.vector_steps)
+        self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)
         self.filters = [options.request_filter, context.config.request_filter]
         self.prefixes = PrefixTracker()
         self.models: list[dict[str, Any]] = []
@@ -246,11 +245,19 @@ class TapRecorder:
             "engine": step.engine, "engine_version": hooks.engine_version(),
             "world_size": self.context.world_size, "tp_size": self.context.world_size,
             "kv_block_size": step.kv_block_size, "models": self.models,
-            "options": self.options.model_dump(), "compiled": torch.compiler.is_compiling(),
+            "cache_groups": step.extra.get("cache_groups"),
+            "options": self.options.model_dump(),
+            "compiled": step.extra.get("compiled") or torch.compiler.is_compiling(),
             "cuda_graphs": capturing(), "eager": not capturing(),
             "torch": torch.__version__, "host": platform.node(),
         }
         self.sink.submit(lambda: header, -1)
+        if step.extra.get("compiled"):
+            logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "
+                           "inside the compiled forward are not recorded (torch.compile "
+                           "inlines past their hooks); kernel-level points in custom ops and "
+                           "the sampler are. Run the engine eager (vLLM: enforce_eager=True) "
+                           "to tap every sublayer", step.extra["compiled"])
 
 
 def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],

@@ -13,7 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from enginetap.tap.continuity import Violation, check_continuity, check_metadata
+from enginetap.tap.continuity import (Violation, check_continuity, check_metadata,
+                                      metadata_checked)
 from enginetap.tap.crossrank import RankMismatch, compare_ranks
 from enginetap.tap.diff import RunDiff
 from enginetap.tap.files import TapRun
@@ -33,6 +34,8 @@ class RankAnalysis:
     sampler: list[SamplerFinding]
     layers: list[str] = field(default_factory=list)
     step_numbers: list[int] = field(default_factory=list)
+    metadata_rows: dict[str, int] = field(default_factory=dict)
+    """Tapped rows that carried each metadata check's inputs (``counters``, ``lengths``)."""
 
     def grid(self) -> Counter:
         """(layer, step) → pairs whose first differing checkpoint at that step is there."""
@@ -64,7 +67,8 @@ def analyse(run: TapRun) -> Analysis:
         ranks.append(RankAnalysis(number, len(rank.steps), sum(len(s.rows) for s in rank.steps),
                                   find_pairs(rank), check_continuity(rank),
                                   check_metadata(rank), sampler_findings(rank),
-                                  _layers(rank), [s.step for s in rank.steps]))
+                                  _layers(rank), [s.step for s in rank.steps],
+                                  metadata_checked(rank)))
     return Analysis(run.header, ranks, compare_ranks(run))
 
 
@@ -86,6 +90,9 @@ def summary(analysis: Analysis) -> list[str]:
                      f"same-prefix pair(s), {len(split)} split, {len(r.continuity)} continuity "
                      f"and {len(r.metadata)} metadata violation(s), {len(r.sampler)} "
                      "sampler flip(s)")
+        lines.append(f"  metadata checked on {r.metadata_rows.get('counters', 0)} row(s) "
+                     f"(host vs device counters) and {r.metadata_rows.get('lengths', 0)} "
+                     "row(s) (planned vs valid lengths)")
         for p in split[:20]:
             lines.append(f"  pair {p.keys[0]} / {p.keys[1]}: first split at step {p.first_step} "
                          f"position {p.position}, culprit {p.checkpoint} (input "
@@ -139,7 +146,10 @@ def _rank_html(r: RankAnalysis) -> str:
               p.agreeing_input, len(p.splits)] for p in r.pairs]
     violations = [[v.kind, v.step, v.checkpoint, v.key, v.position, v.slot, v.detail]
                   for v in r.continuity]
-    metadata = [[v.step, v.key, v.position, v.detail] for v in r.metadata]
+    metadata = [[v.kind, v.step, v.key, v.position, v.detail] for v in r.metadata]
+    checked = (f"<p>Metadata checked on {r.metadata_rows.get('counters', 0)} row(s) (host vs "
+               f"device counters) and {r.metadata_rows.get('lengths', 0)} row(s) (planned vs "
+               "valid lengths).</p>")
     sampler = [[s.step, s.keys[0], s.tokens[0], f"{s.gaps[0]:.4g}", s.keys[1], s.tokens[1],
                 f"{s.gaps[1]:.4g}", s.kind] for s in r.sampler]
     grid = _grid("Where pairs split (layer x step)", r.layers, r.step_numbers, r.grid(),
@@ -150,8 +160,8 @@ def _rank_html(r: RankAnalysis) -> str:
                                            "agreeing input", "steps split"], pairs)
             + _table("Continuity violations", ["kind", "step", "checkpoint", "request",
                                                "position", "slot", "detail"], violations)
-            + _table("Metadata (host vs device counters)", ["step", "request", "position",
-                                                            "detail"], metadata)
+            + checked + _table("Metadata (counters, planned vs valid lengths)",
+                               ["kind", "step", "request", "position", "detail"], metadata)
             + _table("Sampler flips", ["step", "request A", "token A", "gap A", "request B",
                                        "token B", "gap B", "kind"], sampler))
 

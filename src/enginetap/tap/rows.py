@@ -61,17 +61,26 @@ def _column(values: list[int] | None, i: int) -> int | None:
 
 
 def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> list[dict[str, Any]]:
-    """The metadata of each tapped row, as written to the tap file."""
+    """The metadata of each tapped row, as written to the tap file (per-group slots
+    only where the engine has several cache groups of a kind)."""
     rows = step.rows
     index = rows.token_index
+    groups = {name: g for name, g in (("kv_groups", rows.kv_groups),
+                                      ("state_groups", rows.state_groups)) if g and len(g) > 1}
     out = []
     for i in picked:
-        out.append({"row": i, "key": rows.keys[i], "request_id": rows.request_ids[i],
-                    "pos": rows.positions[i], "tok": rows.token_ids[i],
-                    "computed_host": rows.computed_host[i],
-                    "computed_device": _column(rows.computed_device, i),
-                    "kv_slot": _column(rows.kv_slots, i),
-                    "state_slot": _column(rows.state_slots, i),
-                    "token_index": i if index is None else index[i],
-                    "prefix": None if prefixes[i] is None else f"{prefixes[i]:016x}"})
+        record = {"row": i, "key": rows.keys[i], "request_id": rows.request_ids[i],
+                  "pos": rows.positions[i], "tok": rows.token_ids[i],
+                  "computed_host": rows.computed_host[i],
+                  "computed_device": _column(rows.computed_device, i),
+                  "kv_slot": _column(rows.kv_slots, i),
+                  "state_slot": _column(rows.state_slots, i),
+                  "token_index": i if index is None else index[i],
+                  "planned": _column(rows.planned_tokens, i),
+                  "query_len": _column(rows.query_lens, i),
+                  "seq_len": _column(rows.seq_lens, i),
+                  "prefix": None if prefixes[i] is None else f"{prefixes[i]:016x}"}
+        for name, per_group in groups.items():
+            record[name] = {group: slots[i] for group, slots in per_group.items()}
+        out.append(record)
     return out

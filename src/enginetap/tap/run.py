@@ -1,18 +1,20 @@
-"""Recording a tap run on the built-in engine: prompts in batches, one armed engine.
+"""Recording a tap run: prompts in batches, one armed engine (built-in or vLLM CPU).
 
 Request ids are ``p<index>`` (index in the prompt list), so runs of the same prompts at
-other batch sizes align request by request in ``enginetap tap diff``.
+other batch sizes, TP sizes or on the other engine align request by request in
+``enginetap tap diff``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
 
-__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run"]
+__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run", "record_vllm_run"]
 
 BUILTIN_PROMPTS: dict[str, list[str]] = {
     "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
@@ -93,3 +95,73 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
         disarm()
         close_all()
     return outputs
+
+
+def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
+                    max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
+                    tp: int = 1) -> list[list[int]]:
+    """The same on vLLM CPU (``vllm.LLM`` in this process, greedy, eager, no prefix
+    caching, at most ``batch_size`` requests at once): every vLLM process is armed through
+    ``ENGINETAP_CONFIG`` (``<out>/arming.json``), one tap file per rank. With ``tp > 1``
+    ``VLLM_CPU_OMP_THREADS_BIND`` defaults to ``nobind`` (vLLM's binding needs a NUMA node
+    per rank).
+
+    Raises:
+        ConfigError: the model or the tap options are invalid, or vLLM is not installed.
+    """
+    model_dir = _model_dir(model)
+    _arm_vllm_processes(out, tap or {}, tp)
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError:
+        raise ConfigError("vLLM is not installed", "--engine vllm runs vllm.LLM",
+                          "pip install enginetap[vllm]") from None
+    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, gpu_memory_utilization=0.3,
+              enforce_eager=True, enable_prefix_caching=False, max_num_seqs=batch_size,
+              seed=0)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    try:
+        done: dict[str, list[int]] = {}
+        for start in range(0, len(prompts), batch_size):
+            _generate_batch(llm.llm_engine, prompts, start, batch_size, params, done)
+        return [done[f"p{i}"] for i in range(len(prompts))]
+    finally:
+        del llm  # shuts the engine core and its workers down: they flush their writers
+        import gc
+
+        gc.collect()
+
+
+def _arm_vllm_processes(out: Path, tap: dict[str, Any], tp: int) -> None:
+    """This process's environment arms every vLLM process it starts (and itself)."""
+    from enginetap.config import ARMING_VARS, ArmConfig
+
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
+                       options={"tap": tap, "step": {"record": False}})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "arming.json").write_text(config.model_dump_json(), encoding="utf-8")
+    for name in ARMING_VARS:
+        os.environ.pop(name, None)
+    os.environ["ENGINETAP_CONFIG"] = str(out / "arming.json")
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def _model_dir(model: str) -> Path:
+    if model.startswith("builtin:"):
+        from enginetap.models import build_model
+
+        return Path(build_model(model.partition(":")[2]))
+    return Path(model)
+
+
+def _generate_batch(engine: Any, prompts: list[str], start: int, size: int, params: Any,
+                    done: dict[str, list[int]]) -> None:
+    """Requests ``p<start>``... as one batch, stepped until all finished (ids like the
+    built-in engine's, so runs align across engines)."""
+    for i, prompt in enumerate(prompts[start:start + size], start):
+        engine.add_request(f"p{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)

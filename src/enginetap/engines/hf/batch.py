@@ -19,6 +19,10 @@ Step rows, per token the step computes (pads are never rows):
   call's batch (kept when finished requests leave the batch), ``capacity`` is
   ``P + S + max_new_tokens``, ``cache_index`` the column above. Unique within a call.
 - ``state_slots`` (recurrent models only): the request's ``slot``, the state it updates.
+- ``planned_tokens``: the tokens the plan gives the request this step (its suffix in
+  prefill, 1 in decode); ``query_lens`` and ``seq_lens`` (:func:`fill_valid_lengths`, when
+  the engine is armed): its valid columns in this step's inputs and in the whole attention
+  mask, read from the mask the model is given.
 
 ``rows.token_index`` gives each row's flat index into the forward's ``input_ids``
 (``row * columns + column``), so a tap can pick the row out of a ``[batch, columns, ...]``
@@ -36,7 +40,7 @@ from enginetap.core.context import StepRows
 from enginetap.engines.hf.prefix import LayerKV
 from enginetap.engines.hf.requests import FinishReason, Request
 
-__all__ = ["Plan", "Sequence", "plan_decode", "plan_prefill"]
+__all__ = ["Plan", "Sequence", "fill_valid_lengths", "plan_decode", "plan_prefill"]
 
 
 @dataclass(eq=False)
@@ -80,9 +84,10 @@ class _Rows:
         self.kv: list[int] = []
         self.state: list[int] = []
         self.index: list[int] = []
+        self.planned: list[int] = []
 
     def add(self, seq: Sequence, position: int, token: int, start: int, computed: int,
-            kv_slot: int, token_index: int) -> None:
+            kv_slot: int, token_index: int, planned: int) -> None:
         self.ids.append(seq.request.request_id)
         self.pos.append(position)
         self.tok.append(token)
@@ -91,11 +96,23 @@ class _Rows:
         self.kv.append(kv_slot)
         self.state.append(seq.slot)
         self.index.append(token_index)
+        self.planned.append(planned)
 
     def build(self, recurrent: bool) -> StepRows:
         return StepRows(self.ids, self.pos, self.tok, self.start, self.computed,
                         kv_slots=self.kv, state_slots=self.state if recurrent else None,
-                        token_index=self.index)
+                        token_index=self.index, planned_tokens=self.planned)
+
+
+def fill_valid_lengths(rows: StepRows, mask: torch.Tensor, columns: int) -> None:
+    """``rows.query_lens`` and ``rows.seq_lens`` from the attention ``mask`` the model is
+    given (its last ``columns`` are this step's inputs; a row's batch row is its token
+    index // columns)."""
+    valid = torch.stack([mask[:, mask.shape[1] - columns:].sum(1), mask.sum(1)]).tolist()
+    assert rows.token_index is not None
+    batch = [i // columns for i in rows.token_index]
+    rows.query_lens = [valid[0][b] for b in batch]
+    rows.seq_lens = [valid[1][b] for b in batch]
 
 
 def plan_prefill(seqs: list[Sequence], pad_id: int, capacity: int, recurrent: bool,
@@ -117,7 +134,7 @@ def plan_prefill(seqs: list[Sequence], pad_id: int, capacity: int, recurrent: bo
         for j in range(n):
             column = reused + first + j
             rows.add(seq, seq.reused + j, seq.suffix[j], start, seq.reused,
-                     seq.slot * capacity + column, b * width + first + j)
+                     seq.slot * capacity + column, b * width + first + j, n)
     return Plan(ids.to(device), mask.to(device), positions.to(device),
                 rows.build(recurrent), rows.index)
 
@@ -130,7 +147,7 @@ def plan_decode(seqs: list[Sequence], mask: torch.Tensor, capacity: int,
     for b, seq in enumerate(seqs):
         position = len(seq.prompt) + len(seq.output) - 1
         rows.add(seq, position, seq.output[-1], b, position,
-                 seq.slot * capacity + column, b)
+                 seq.slot * capacity + column, b, 1)
     device = mask.device
     ids = torch.tensor([[s.output[-1]] for s in seqs], dtype=torch.long, device=device)
     positions = torch.tensor([[p] for p in rows.pos], dtype=torch.long, device=device)

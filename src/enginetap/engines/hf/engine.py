@@ -21,7 +21,8 @@ import torch
 from enginetap.config import ArmConfig
 from enginetap.core.context import Mode, Step, publish
 from enginetap.engines.hf.arming import arm as arm_process
-from enginetap.engines.hf.batch import Plan, Sequence, plan_decode, plan_prefill
+from enginetap.engines.hf.batch import (Plan, Sequence, fill_valid_lengths, plan_decode,
+                                        plan_prefill)
 from enginetap.engines.hf.prefix import LayerKV, PrefixCache
 from enginetap.engines.hf.requests import Completion, Request, prompt_ids_of
 from enginetap.engines.hf.sampling import new_generator, pick
@@ -172,6 +173,8 @@ class HFEngine:
     def _step(self, mode: Mode, plan: Plan, past: Any, seqs: list[Sequence],
               reused: int) -> tuple[list[Sequence], torch.Tensor, Any]:
         """One published step: the forward, then sampling (the step ends after it)."""
+        if self.arming is not None:  # valid lengths cost a read of the mask: armed only
+            fill_valid_lengths(plan.rows, plan.attention_mask, plan.input_ids.shape[1])
         step = Step(ENGINE, self._steps, mode, plan.rows,
                     padded_tokens=plan.input_ids.numel(),
                     extra={"input_shape": list(plan.input_ids.shape)})

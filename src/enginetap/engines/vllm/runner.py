@@ -29,6 +29,7 @@ from weakref import WeakKeyDictionary
 from enginetap.core import context
 from enginetap.core.context import Step, StepRows, publish
 from enginetap.core.patching import PatchSet, bind_arguments
+from enginetap.core.scope import short_name
 
 logger = logging.getLogger("enginetap.vllm")
 
@@ -99,8 +100,8 @@ class V1StepAdapter:
             return wrapped(*args, **kwargs)  # not the forward of a scheduled step
         try:
             inputs = bind_arguments(wrapped, args, kwargs)
-            drafts = state.scheduled.scheduled_spec_decode_tokens
-            step = read_step(runner, state.next_step, inputs, drafts, (self.rank, self.world_size))
+            step = read_step(runner, state.next_step, inputs, state.scheduled,
+                             (self.rank, self.world_size))
         except Exception:  # our reading failed, not the engine: disarm, let the step run
             logger.exception("enginetap: reading vLLM's step failed; the step context disarms")
             (self.on_failure or self.uninstall)()
@@ -167,12 +168,19 @@ class _Requests:
     host: list[int]
     device: list[int]
     prefill: list[bool]
+    planned: list[int]
+    """Tokens the scheduler planned per request (``num_scheduled_tokens``)."""
+    query_lens: list[int]
+    """Tokens per request in the runner's query start offsets as the kernels get them."""
+    seq_lens: list[int]
+    """The runner's sequence lengths (computed plus scheduled, as its device state has it)."""
 
     def row_owner(self) -> list[int]:
         return [r for r in range(len(self.ids)) for _ in range(self.starts[r + 1] - self.starts[r])]
 
 
-def _requests(runner: Any, drafts: dict[str, list[int]]) -> _Requests:
+def _requests(runner: Any, scheduled: Any) -> _Requests:
+    drafts: dict[str, list[int]] = scheduled.scheduled_spec_decode_tokens
     batch = runner.input_batch
     n = batch.num_reqs
     ids = list(batch.req_ids[:n])
@@ -182,19 +190,24 @@ def _requests(runner: Any, drafts: dict[str, list[int]]) -> _Requests:
     prefill = [host[r] < prompt[r] or starts[r + 1] - starts[r] > 1 + len(drafts.get(ids[r], ()))
                for r in range(n)]
     device = [int(x) for x in runner.num_computed_tokens[:n].tolist()]
-    return _Requests(ids, starts, host, device, prefill)
+    planned = [int(scheduled.num_scheduled_tokens.get(i, -1)) for i in ids]
+    loc = runner.query_start_loc.gpu[: n + 1].tolist()
+    query_lens = [b - a for a, b in zip(loc, loc[1:])]
+    seq_lens = [int(x) for x in runner.seq_lens[:n].tolist()]
+    return _Requests(ids, starts, host, device, prefill, planned, query_lens, seq_lens)
 
 
-def read_step(runner: Any, number: int, inputs: dict[str, Any], drafts: dict[str, list[int]],
+def read_step(runner: Any, number: int, inputs: dict[str, Any], scheduled: Any,
               rank_world: tuple[int, int]) -> Step:
     """The step the runner is about to run, read from its prepared inputs.
 
     ``inputs`` are ``_model_forward``'s bound arguments (``input_ids``, ``positions``);
-    ``drafts`` the scheduler's speculative tokens per request. A request's rows are decode
+    ``scheduled`` the scheduler's output for the step (planned tokens and speculative
+    tokens per request). A request's rows are decode
     rows when its prompt is computed and the step runs one token plus its drafts for it;
     otherwise (prompt chunks, recomputation after preemption) they are prefill rows.
     """
-    reqs = _requests(runner, drafts)
+    reqs = _requests(runner, scheduled)
     owner = reqs.row_owner()
     num_tokens = len(owner)
     slots = _slots(runner, num_tokens, len(reqs.ids))
@@ -212,15 +225,25 @@ def read_step(runner: Any, number: int, inputs: dict[str, Any], drafts: dict[str
         computed_device=[reqs.device[r] for r in owner],
         kv_slots=slots.kv,
         state_slots=None if slots.state is None else [slots.state[r] for r in owner],
+        planned_tokens=[reqs.planned[r] for r in owner],
+        query_lens=[reqs.query_lens[r] for r in owner],
+        seq_lens=[reqs.seq_lens[r] for r in owner],
     )
     prefill_rows = sum(reqs.prefill[r] for r in owner)
-    extra = {"runner": "v1", "num_reqs": len(reqs.ids),
+    extra = {"runner": "v1", "num_reqs": len(reqs.ids), "cache_groups": slots.layer_groups,
+             "compiled": _compiled(runner),
              "prefill_requests": [i for i, p in zip(reqs.ids, reqs.prefill) if p]}
     padded = inputs.get("input_ids")
     padded = padded.shape[0] if padded is not None else num_tokens
     return Step("vllm", number, Step.mode_of(prefill_rows, num_tokens - prefill_rows), rows,
                 rank=rank_world[0], world_size=rank_world[1], padded_tokens=int(padded),
                 kv_block_size=slots.kv_block_size, extra=extra)
+
+
+def _compiled(runner: Any) -> str | None:
+    """vLLM's torch.compile mode for the model (``VLLM_COMPILE``...), None when eager."""
+    mode = getattr(getattr(runner.vllm_config, "compilation_config", None), "mode", 0)
+    return getattr(mode, "name", str(mode)) if mode else None
 
 
 def _positions(inputs: dict[str, Any], runner: Any, num_tokens: int) -> list[int]:
@@ -250,6 +273,8 @@ class _Slots:
     """Slot per row of every attention group, by ``group<i>``."""
     state_groups: dict[str, list[int]] = field(default_factory=dict)
     """Slot per request of every recurrent group, by ``group<i>``."""
+    layer_groups: dict[str, str] = field(default_factory=dict)
+    """The cache group of every layer, by the layer's short name (``L1.gdn``)."""
 
 
 def _slots(runner: Any, num_tokens: int, num_reqs: int) -> _Slots:
@@ -265,6 +290,7 @@ def _slots(runner: Any, num_tokens: int, num_reqs: int) -> _Slots:
         return found  # micro-batched step: one mapping per micro-batch
     for index, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         spec, layer = group.kv_cache_spec, group.layer_names[0]
+        found.layer_groups.update((short_name(n), f"group{index}") for n in group.layer_names)
         mapping = forward.slot_mapping.get(layer)
         if isinstance(spec, AttentionSpec) and mapping is not None:
             found.kv_groups[f"group{index}"] = mapping[:num_tokens].tolist()

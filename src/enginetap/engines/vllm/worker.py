@@ -118,6 +118,12 @@ class VLLMHooks(EngineHooks):
     def sublayer_targets(self, model: Any) -> list[str]:
         return sublayer_targets(model, SUBLAYERS)
 
+    def tap_points(self, model: Any) -> list[tuple[str, Any]]:
+        """KV rows, gated-delta state and logits (:mod:`enginetap.engines.vllm.tap`)."""
+        from enginetap.engines.vllm.tap import tap_points
+
+        return tap_points(model)
+
     def tp_group(self) -> Any:
         return vllm_tp_group()
 

@@ -1,0 +1,201 @@
+"""Kernel-level tap points of vLLM CPU (:meth:`VLLMHooks.tap_points`): targets and
+wrapper factories, as the tap capability installs them.
+
+- ``Lk.attn.kv_written`` / ``Lk.attn.kv_prev``: after ``CPUAttentionBackendImpl.forward``
+  (vLLM wrote the step's keys and values before it), the key and value of each tapped
+  row read back from its slot of the layer's cache, and those of the request's previous
+  position (its slot from the block table). The cache is packed per ISA: a slot's
+  elements are gathered in plain ``[heads, head_dim]`` order through the permutation
+  learnt from vLLM's own packing op (:func:`~.probes.packing.kv_unpacker`), so rows of
+  any slot compare byte for byte.
+- ``Lk.gdn.state_before`` / ``state_after`` and ``conv_before`` / ``conv_after``: around
+  ``_cpu_gdn_attention_nonspec`` (one call per gated-delta layer and step, given the
+  layer and its metadata), the recurrent and convolution state of each tapped request's
+  slot, which the kernels update in place.
+- the sampler: the logits ``compute_logits`` returns (one row per request, in the batch's
+  request order) of each tapped row's request.
+
+Points are only recorded inside a published step; quantized (fp8) caches and speculative
+decoding are not tapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from enginetap.core.patching import bind_arguments
+from enginetap.core.scope import SCOPE
+from enginetap.tap.recorder import TapRecorder
+
+__all__ = ["ATTENTION", "GDN", "tap_points"]
+
+ATTENTION = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
+GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_cpu_gdn_attention_nonspec"
+_PLAIN = (torch.bfloat16, torch.float16, torch.float32)
+
+Factory = Callable[[TapRecorder, Any], Callable[..., Any]]
+
+
+def tap_points(model: Any) -> list[tuple[str, Factory]]:
+    """The kernel-level points of a vLLM CPU model (``compute_logits`` where it has one)."""
+    points: list[tuple[str, Factory]] = [(ATTENTION, _kv_wrapper), (GDN, _state_wrapper)]
+    cls = type(model)
+    if callable(getattr(cls, "compute_logits", None)):
+        points.append((f"{cls.__module__}:{cls.__qualname__}.compute_logits", _logits_wrapper))
+    return points
+
+
+class _Batch:
+    """Per step: each tapped row's and each tapped request's index among the batch's
+    requests (vLLM's rows of a request are contiguous, requests in batch order)."""
+
+    def __init__(self) -> None:
+        self._step: Any = None
+        self.of_rows: list[int] = []
+        self.of_requests: list[int] = []
+
+    def read(self, recorder: TapRecorder) -> _Batch:
+        if recorder.step is not self._step:
+            self._step = recorder.step
+            starts = recorder.step.rows.query_start
+            order = {s: n for n, s in enumerate(sorted(set(starts)))}
+            self.of_rows = [order[starts[r["row"]]] for r in recorder.rows]
+            last = {r["key"]: n for n, r in enumerate(recorder.rows)}
+            self.of_requests = [self.of_rows[n] for n in last.values()]
+        return self
+
+
+def _name(names: Any, module: Any) -> str | None:
+    name = names.get(module) or SCOPE.short(module)
+    return None if name is None else name.removesuffix(".core")
+
+
+# -- KV rows -----------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=32)
+def _token_elements(isa: str, heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                    which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(head, row, dim) index in a packed ``[heads, block_size, head_dim]`` block half of
+    every element of every block offset, ``[block_size, heads * head_dim]`` each, in the
+    plain ``[heads, head_dim]`` order of the token at that offset."""
+    from enginetap.engines.vllm.probes.packing import kv_unpacker
+
+    perm = kv_unpacker(isa, heads, block_size, head_dim, dtype, which)
+    where = torch.empty_like(perm)
+    where[perm] = torch.arange(perm.numel())  # plain index -> packed position
+    # plain NHD [block_size, heads, head_dim]: token t holds a contiguous run
+    where = where.reshape(block_size, heads * head_dim)
+    return where // (block_size * head_dim), (where // head_dim) % block_size, where % head_dim
+
+
+def _slot_bytes(kv_cache: torch.Tensor, isa: str, slots: torch.Tensor) -> torch.Tensor:
+    """Key then value bytes of each slot in ``slots``, ``[len(slots), bytes]``."""
+    blocks, heads, block_size, width = kv_cache.shape
+    halves = kv_cache.view(blocks, heads, 2 * block_size, width // 2).chunk(2, dim=2)
+    block, offset = slots // block_size, slots % block_size
+    parts = []
+    for half, which in zip(halves, ("key", "value")):
+        h, t, d = _token_elements(isa, heads, block_size, width // 2, kv_cache.dtype, which)
+        values = half[block[:, None], h[offset], t[offset], d[offset]]
+        parts.append(values.contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=1)
+
+
+def _previous_slots(recorder: TapRecorder, meta: Any, block_size: int,
+                    batch: _Batch) -> torch.Tensor:
+    """The slot of each tapped row's previous position (its own at position 0)."""
+    table = meta.block_table
+    prev = [max(r["pos"] - 1, 0) for r in recorder.rows]
+    index = torch.tensor([[b, p // block_size] for b, p in zip(batch.of_rows, prev)],
+                         dtype=torch.long, device=table.device)
+    blocks = table[index[:, 0], index[:, 1]].to(torch.long)
+    offsets = torch.tensor([p % block_size for p in prev], dtype=torch.long,
+                           device=table.device)
+    return blocks * block_size + offsets
+
+
+def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    batch = _Batch()
+
+    def tap_kv(wrapped: Any, impl: Any, args: tuple, kwargs: dict) -> Any:
+        out = wrapped(*args, **kwargs)
+        if recorder.step is None or not recorder.options.continuity:
+            return out
+        call = bind_arguments(wrapped, args, kwargs)
+        meta, cache, layer = call["attn_metadata"], call["kv_cache"], call["layer"]
+        name = _name(names, layer)
+        if meta is None or name is None or cache.dim() != 4 or cache.dtype not in _PLAIN \
+                or getattr(meta, "encoder_cache", None) is not None:
+            return out
+        slots = meta.slot_mapping.to(torch.long)[recorder.index(meta.slot_mapping.device)]
+        prev = _previous_slots(recorder, meta, int(cache.shape[2]), batch.read(recorder))
+        recorder.checkpoint_rows(f"{name}.kv_written", _slot_bytes(cache, layer.isa, slots))
+        recorder.checkpoint_rows(f"{name}.kv_prev", _slot_bytes(cache, layer.isa, prev))
+        return out
+
+    return tap_kv
+
+
+# -- recurrent state ---------------------------------------------------------------------
+
+
+def _record_states(recorder: TapRecorder, name: str, layer: Any, slots: torch.Tensor,
+                   when: str) -> None:
+    states = getattr(layer, "kv_cache", None)
+    if not isinstance(states, (list, tuple)) or len(states) < 2:
+        return
+    for label, state in (("state", states[1]), ("conv", states[0])):
+        if isinstance(state, torch.Tensor):
+            recorder.checkpoint_requests(f"{name}.{label}_{when}",
+                                         state.index_select(0, slots.to(state.device)))
+
+
+def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    batch = _Batch()
+
+    def tap_state(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:
+        if recorder.step is None or not recorder.options.continuity:
+            return wrapped(*args, **kwargs)
+        call = bind_arguments(wrapped, args, kwargs)
+        layer, meta = call["layer"], call["attn_metadata_i"]
+        name = _name(names, layer)
+        indices = getattr(meta, "non_spec_state_indices_tensor", None)
+        requests = batch.read(recorder).of_requests
+        if name is None or indices is None or max(requests) >= indices.shape[0]:
+            return wrapped(*args, **kwargs)
+        slots = indices[torch.tensor(requests, dtype=torch.long, device=indices.device)]
+        if slots.dim() == 2:
+            slots = slots[:, 0]
+        _record_states(recorder, name, layer, slots.to(torch.long), "before")
+        out = wrapped(*args, **kwargs)
+        _record_states(recorder, name, layer, slots.to(torch.long), "after")
+        return out
+
+    return tap_state
+
+
+# -- sampler -----------------------------------------------------------------------------
+
+
+def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    batch = _Batch()
+    noted: list[Any] = [None]
+
+    def tap_logits(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+        logits = wrapped(*args, **kwargs)
+        step = recorder.step
+        if step is None or noted[0] is step or not isinstance(logits, torch.Tensor) \
+                or logits.dim() != 2 or logits.shape[0] != step.extra.get("num_reqs"):
+            return logits  # other ranks get no logits; speculative rows are not tapped
+        noted[0] = step
+        rows = torch.tensor(batch.read(recorder).of_rows, dtype=torch.long,
+                            device=logits.device)
+        recorder.note_logits(logits.index_select(0, rows))
+        return logits
+
+    return tap_logits
