@@ -27,9 +27,15 @@ def prompts(vocab: int = 512, seed: int = 3) -> list[dict[str, list[int]]]:
 
 
 def make_llm(model: str, tp: int):
+    from pathlib import Path
+
+    import torch
     from vllm import LLM
 
-    return LLM(model=model, tensor_parallel_size=tp, block_size=32,
+    # CPU attention (and AMX MLA) page in multiples of 32 tokens; CPU MLA without AMX in 16.
+    mla = "kv_lora_rank" in json.loads((Path(model) / "config.json").read_text())
+    block_size = 16 if mla and not torch.cpu._is_amx_tile_supported() else 32
+    return LLM(model=model, tensor_parallel_size=tp, block_size=block_size,
                gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256,
                max_num_batched_tokens=128, max_num_seqs=8, enable_prefix_caching=False,
                seed=0)

@@ -156,3 +156,31 @@ def test_comm_and_shard_keep_greedy_tokens(stock, inexact):
     # Transport only in comm mode; shard runs the norms on this rank's half.
     assert {r["row_local_rows"] for r in served} == (
         {64, INJECT_ROWS} if mode == "comm" else {32, INJECT_ROWS // 2})
+
+
+@pytest.fixture(scope="module")
+def deepseek(vllm_lock, tmp_path_factory) -> Run:
+    from enginetap.models import build_model
+
+    return _run(build_model("deepseek_v3"), tmp_path_factory.mktemp("deepseek"),
+                {"mode": "shard", "compare": True}, [])
+
+
+def test_deepseek_v3_sharded_forward_is_proven_bit_exact(deepseek):
+    # shard mode, tolerance 0: a shape is served sharded only if its proof found the whole
+    # forward (MLA attention, dense MLP in layer 0, MoE in layer 1) bit-identical to stock
+    # on both ranks.
+    expected = [(64, "proof", ""), (INJECT_ROWS, "proof", ""), (20, "stock", "below_min_rows"),
+                (33, "stock", "not_divisible"), (64, "sp", ""), (INJECT_ROWS, "sp", "")]
+    assert deepseek.prefills(0) == deepseek.prefills(1) == expected
+    row_bytes = 128 * 2  # hidden 128, bf16
+    for rank in (0, 1):
+        for r in (r for r in deepseek.records(rank) if r["path"] == "sp"):
+            # 2 layers x (attention o_proj + MLP/MoE) reduce-scattered; their 4 inputs and
+            # the exit's output and residual all-gathered.
+            assert r["bytes"] == {"reduce_scatter": 4 * r["rows"] * row_bytes,
+                                  "all_gather": 6 * r["rows"] * row_bytes}
+            assert r["row_local_rows"] == r["rows"] // 2
+        # compare: every reduction site checked against the stock all-reduce, no difference.
+        assert all(r["mismatches"] == [] for r in deepseek.records(rank))
+    assert len(deepseek.requests) == 7

@@ -16,6 +16,7 @@ lock refuses a vLLM whose ``forward`` changed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,10 +49,12 @@ def _layer_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
 
 
 def sharded_layer(layer: Any, plan: Plan, positions: torch.Tensor,
-                  hidden_states: torch.Tensor,
-                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                  attend: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on this rank's rows; returns (sublayer output, residual) shards,
-    or every row after the last layer."""
+    or every row after the last layer. ``attend(rows)`` calls the layer's attention where
+    its signature is not ``self_attn(positions=, hidden_states=)``."""
     last = plan.enter_layer()
     if residual is None:
         residual = plan.own_rows(hidden_states)
@@ -59,7 +62,11 @@ def sharded_layer(layer: Any, plan: Plan, positions: torch.Tensor,
     else:
         hidden_states, residual = layer.input_layernorm(hidden_states, residual)
     plan.site = "attn"
-    hidden_states = layer.self_attn(positions=positions, hidden_states=plan.gather(hidden_states))
+    gathered = plan.gather(hidden_states)
+    if attend is None:
+        hidden_states = layer.self_attn(positions=positions, hidden_states=gathered)
+    else:
+        hidden_states = attend(gathered)
 
     hidden_states, residual = layer.post_attention_layernorm(hidden_states, residual)
     plan.site = "mlp"

@@ -11,10 +11,11 @@ Three kinds of wrappers, all through :mod:`enginetap.core.patching`:
   both paths on the same inputs (sharded first, stock last, so the KV cache ends as stock
   wrote it), compares the final hidden states, agrees over the TP group (MIN) and serves
   stock; later chunks of that shape run the path the proof chose;
-- on the supported decoder layers' ``forward`` (:mod:`.dense`);
+- on the supported decoder layers' ``forward`` (:mod:`.dense`, :mod:`.deepseek`), and
+  DeepSeek's MoE forward and loop gather (:mod:`.deepseek`);
 - on the module-level ``tensor_model_parallel_all_reduce`` that vLLM's
-  ``RowParallelLinear.forward`` calls: inside a plan it reduces as the mode says,
-  otherwise it counts the stock all-reduce's bytes and calls it.
+  ``RowParallelLinear.forward`` and MoE runner call: inside a plan it reduces as the mode
+  says, otherwise it counts the stock all-reduce's bytes and calls it.
 
 Every route decision reads only the step's mode, the chunk's shape and static config,
 so every rank takes the same one at the same call.
@@ -26,7 +27,8 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, get_args
 
 from enginetap.core import context
 from enginetap.core.jsonl import RankJsonl
@@ -37,25 +39,43 @@ from enginetap.guard.keys import shape_key
 from enginetap.guard.lock import check_lock
 from enginetap.guard.require import engine_version, holds, require
 from enginetap.patches.sp_prefill import LOCK
-from enginetap.patches.sp_prefill.dense import LAYER_TARGETS, layer_wrapper
-from enginetap.patches.sp_prefill.options import SpPrefillOptions
+from enginetap.patches.sp_prefill import deepseek, dense
+from enginetap.errors import ConfigError
+from enginetap.patches.sp_prefill.options import Mode, SpPrefillOptions
 from enginetap.patches.sp_prefill.plan import ChunkRecord, Plan, active, current_plan
 
 logger = logging.getLogger("enginetap.sp_prefill")
 
-MODEL_TARGETS = {
-    "vllm.model_executor.models.llama:LlamaModel.forward": "LlamaDecoderLayer",
-    "vllm.model_executor.models.qwen2:Qwen2Model.forward": "Qwen3DecoderLayer",
+MODEL_TARGETS: dict[str, tuple[str, Callable[[Any], str] | None]] = {
+    "vllm.model_executor.models.llama:LlamaModel.forward": ("LlamaDecoderLayer", None),
+    "vllm.model_executor.models.qwen2:Qwen2Model.forward": ("Qwen3DecoderLayer", None),
+    "vllm.model_executor.models.deepseek_v2:DeepseekV2Model.forward":
+        ("DeepseekV2DecoderLayer", deepseek.refusal),
 }
-"""Layer loops the patch runs under a plan, and the decoder layer class each must hold."""
-ALL_REDUCE = "vllm.model_executor.layers.linear:tensor_model_parallel_all_reduce"
+"""Layer loops the patch runs under a plan: the decoder layer class every layer must be,
+and the model's own further refusal ('' when covered)."""
+ALL_REDUCES = (
+    "vllm.model_executor.layers.linear:tensor_model_parallel_all_reduce",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:tensor_model_parallel_all_reduce",
+)
+"""The all-reduce of ``RowParallelLinear.forward`` and the MoE runner's reductions."""
+WRAPPERS: list[tuple[str, Any]] = [
+    *((target, dense.layer_wrapper) for target in dense.LAYER_TARGETS),
+    (deepseek.LAYER_TARGET, deepseek.layer_wrapper),
+    (deepseek.MOE_TARGET, deepseek.moe_wrapper),
+    (deepseek.LOOP_GATHER, deepseek.loop_gather),
+]
 PINNED = sorted([
-    *MODEL_TARGETS, *LAYER_TARGETS,
+    *MODEL_TARGETS, *dense.LAYER_TARGETS, deepseek.LAYER_TARGET, deepseek.MOE_TARGET,
     "vllm.model_executor.layers.linear:RowParallelLinear.forward",
     "vllm.model_executor.models.llama:LlamaAttention.forward",
     "vllm.model_executor.models.llama:LlamaMLP.forward",
     "vllm.model_executor.models.qwen3:Qwen3Attention.forward",
     "vllm.model_executor.models.qwen2:Qwen2MLP.forward",
+    "vllm.model_executor.models.deepseek_v2:DeepseekV2MLAAttention.forward",
+    "vllm.model_executor.models.deepseek_v2:DeepseekV2MLP.forward",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._maybe_reduce_final_output",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._maybe_reduce_shared_expert_output",
     "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
     "vllm.model_executor.layers.layernorm:RMSNorm.forward_cpu",
     "vllm.distributed.parallel_state:GroupCoordinator.all_gather",
@@ -64,10 +84,12 @@ PINNED = sorted([
     "vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.all_gather",
 ])
 """What the patch replaces or relies on, pinned in ``sp_prefill.lock``: the layer loops and
-layers it mirrors, the projection whose all-reduce it reroutes, the attention and MLP it
-calls on gathered rows, the norms it runs on shards (row-local), the collectives."""
+layers it mirrors, the projection and MoE reductions it reroutes, the attention, MLP and
+MoE forwards it calls on gathered rows, the norms it runs on shards (row-local), the
+collectives."""
 
-__all__ = ["ALL_REDUCE", "MODEL_TARGETS", "PINNED", "SpPrefill"]
+__all__ = ["ALL_REDUCES", "MODEL_TARGETS", "PINNED", "WRAPPERS", "SpPrefill", "installed",
+           "set_worker_mode"]
 
 
 class SpPrefill:
@@ -83,6 +105,7 @@ class SpPrefill:
         self.options = options
         self.out_dir = out_dir
         self.rank, self.world = rank, world
+        self.mode: Mode = options.mode
         self.proofs: dict[str, ExactPatch] = {}
         self._patches = PatchSet("sp_prefill")
         self._records = (RankJsonl(out_dir / "sp_prefill.jsonl", rank)
@@ -99,9 +122,10 @@ class SpPrefill:
                 holds(get_pp_group().world_size == 1, "no pipeline parallelism"),
                 what="sp_prefill")
         check_lock(LOCK)
-        self._patches.add(ALL_REDUCE, self._all_reduce)
-        for target in LAYER_TARGETS:
-            self._patches.add(target, layer_wrapper)
+        for target in ALL_REDUCES:
+            self._patches.add(target, self._all_reduce)
+        for target, wrapper in WRAPPERS:
+            self._patches.add(target, wrapper)
         self._patches.install()
         try:
             for target in MODEL_TARGETS:
@@ -110,9 +134,35 @@ class SpPrefill:
             self.uninstall()
             raise
         context.subscribe(on_end=self._flush)
+        global _INSTALLED
+        _INSTALLED = self
         return self
 
+    def set_mode(self, mode: Mode) -> None:
+        """Switch the mode of this rank from now on (every rank must switch between the
+        same two forwards). Proofs are kept per mode, so a shape proven in a mode stays
+        proven when the mode comes back.
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        if mode not in get_args(Mode):
+            raise ConfigError(f"unknown sp_prefill mode {mode!r}",
+                              f"modes are {', '.join(get_args(Mode))}", "pick one of them")
+        self.mode = mode
+        for proof in self.proofs.values():
+            proof.tolerance = self._tolerance()
+
+    def _tolerance(self) -> float:
+        return 0.0 if self.mode == "exact" else self.options.tolerance
+
+    def _key(self, args: tuple, kwargs: dict) -> Any:
+        return self.mode, shape_key(args, kwargs)
+
     def uninstall(self) -> None:
+        global _INSTALLED
+        if _INSTALLED is self:
+            _INSTALLED = None
         context.unsubscribe(self._flush)
         for proof in self.proofs.values():
             proof.uninstall()
@@ -121,34 +171,38 @@ class SpPrefill:
 
     def _proof(self, target: str) -> ExactPatch:
         original = resolve(target, raw=True)
-        tolerance = 0.0 if self.options.mode == "exact" else self.options.tolerance
         name = f"sp_prefill.{target.rpartition(':')[2].partition('.')[0]}"
-        proof = ExactPatch(target, self._sharded(original), name=name, mutates=(),
-                           tolerance=tolerance, dump_dir=self._dump_dir())
-        proof.applies = self._route(proof, MODEL_TARGETS[target])
+        proof = ExactPatch(target, self._sharded(original), name=name, key=self._key,
+                           mutates=(), tolerance=self._tolerance(), dump_dir=self._dump_dir())
+        proof.applies = self._route(proof, *MODEL_TARGETS[target])
         return proof
 
     # ------------------------------------------------------------------ routing
-    def _route(self, proof: ExactPatch, layer_class: str):
+    def _route(self, proof: ExactPatch, layer_class: str,
+               refusal: Callable[[Any], str] | None):
         def applies(model: Any, args: tuple, kwargs: dict) -> bool:
             step = context.current_step()
             positions = _positions(args, kwargs)
             if step is None or positions is None:
                 return False  # dummy, profile and warm-up runs: never ours, never recorded
-            record = ChunkRecord(step.step, step.mode, int(positions.shape[0]))
+            record = ChunkRecord(step.step, step.mode, int(positions.shape[0]), self.mode)
             record.row_local_rows = record.rows
             self._pending.append(record)
             reason = self._refusal(model, step.mode, record.rows, layer_class, kwargs)
+            if not reason and refusal is not None:
+                reason = refusal(model)
             if reason:
                 record.reason = reason
                 return False
-            record.path = _path(proof, shape_key(args, kwargs))
+            record.path = _path(proof, self._key(args, kwargs))
             return True
         return applies
 
     def _refusal(self, model: Any, step_mode: str, rows: int, layer_class: str,
                  kwargs: dict) -> str:
         """Why this forward runs stock ('' when it is eligible)."""
+        if self.mode == "off":
+            return "off"
         if step_mode == "decode":
             return "decode"
         if rows < self.options.min_rows:
@@ -171,7 +225,7 @@ class SpPrefill:
             # The record the route opened for this forward (a proof counts both paths).
             record = self._pending[-1] if self._pending else None
             rows = int(_positions(args, kwargs).shape[0])
-            plan = Plan(self.options.mode, rows, self.rank, self.world,
+            plan = Plan(self.mode, rows, self.rank, self.world,
                         model.end_layer - model.start_layer, get_tp_group(), record,
                         self.options.compare, self._dump_dir())
             if record is not None and record.path == "sp" and plan.sharded:
@@ -208,6 +262,30 @@ class SpPrefill:
                 logger.error("enginetap sp_prefill: cannot write its record: %s", exc)
                 self._records = None
                 return
+
+
+_INSTALLED: SpPrefill | None = None
+
+
+def installed() -> SpPrefill | None:
+    """This process's installed sp_prefill (one per vLLM worker), else None."""
+    return _INSTALLED
+
+
+def set_worker_mode(worker: Any, mode: str) -> str:
+    """For ``LLM.collective_rpc(set_worker_mode, args=(mode,))``: switch every worker's
+    mode between two requests (benchmarks interleave modes in one engine this way).
+
+    Raises:
+        ConfigError: sp_prefill is not installed in this worker, or an unknown mode.
+    """
+    patch = installed()
+    if patch is None:
+        raise ConfigError("sp_prefill is not installed in this vLLM worker",
+                          "it was not armed, or it was refused (see the log)",
+                          "arm it with ENGINETAP_CAPABILITIES=sp_prefill")
+    patch.set_mode(mode)  # type: ignore[arg-type]
+    return mode
 
 
 _MODEL_ARGUMENTS = {"input_ids", "positions", "intermediate_tensors", "inputs_embeds"}

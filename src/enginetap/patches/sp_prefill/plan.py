@@ -38,6 +38,8 @@ class ChunkRecord:
     step: int
     step_mode: str
     rows: int
+    mode: str = ""
+    """The patch's mode when the forward ran."""
     path: str = "stock"
     """``sp`` (sharded path served), ``proof`` (first chunk of its shape: both paths ran,
     stock served), ``fallback`` (the proof failed on some rank: stock), ``compare``
