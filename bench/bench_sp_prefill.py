@@ -1,15 +1,16 @@
 """Sequence-parallel prefill at TP=2 on vLLM CPU: stock vs comm vs shard (and exact).
 
-    flock /tmp/enginetap-vllm.lock python bench/bench_sp_prefill.py [--rows 512] [--repeats 5]
+    flock /tmp/enginetap-vllm.lock python bench/bench_sp_prefill.py [--rows 512] [--repeats 15]
 
 One run, one vLLM engine with sp_prefill armed: prefill-only requests (``--rows`` tokens,
 one output token, one request per step), the mode switched on both workers before each
 request (``collective_rpc``), round-robin over ``stock`` (mode ``off``: the stock path; the
 armed wrappers only count the all-reduce's bytes), ``comm``, ``shard`` and ``exact``, so
 machine noise hits every mode alike. The first round (each mode's proof, which runs both
-paths, and warm-up) is not reported; then ``--repeats`` rounds. Per mode it reports the median prefill step time, its ratio to
-stock, the bytes handed to each collective per chunk and the time inside them (both from
-the patch's per-chunk records), and the rows each rank's norms and residual adds ran on.
+paths, and warm-up) is not reported; then ``--repeats`` rounds. Per mode it reports the
+median prefill step time, its ratio to stock, the bytes handed to each collective per
+chunk and the time inside them (both from the patch's per-chunk records), and the rows
+each rank's norms and residual adds ran on.
 Separately it times one vLLM ``RMSNorm`` with residual add on all rows and on half of them:
 the row-local work a rank saves per sublayer.
 

@@ -28,7 +28,8 @@ TAP = Capability("tap", TapOptions, "enginetap.tap.arming:install",
                  "per-step fingerprints of tapped rows at every sublayer",
                  needs=("step", "scope"))
 
-SP_PREFILL = Capability("sp_prefill", SpPrefillOptions, "enginetap.patches.sp_prefill.arming:install",
+SP_PREFILL = Capability("sp_prefill", SpPrefillOptions,
+                        "enginetap.patches.sp_prefill.arming:install",
                         "sequence-parallel prefill for vLLM at TP >= 2 (guarded patch)")
 
 # sp_prefill last: guard patches (a user's own, or a test's injections) are in place first.

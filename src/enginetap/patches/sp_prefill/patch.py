@@ -32,7 +32,7 @@ from typing import Any, get_args
 
 from enginetap.core import context
 from enginetap.core.jsonl import RankJsonl
-from enginetap.core.patching import Patch, PatchSet, resolve
+from enginetap.core.patching import PatchSet, resolve
 from enginetap.core.tensors import capturing
 from enginetap.guard.exact import ExactPatch
 from enginetap.guard.keys import shape_key
@@ -54,9 +54,10 @@ MODEL_TARGETS: dict[str, tuple[str, Callable[[Any], str] | None]] = {
 }
 """Layer loops the patch runs under a plan: the decoder layer class every layer must be,
 and the model's own further refusal ('' when covered)."""
+_MOE_RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 ALL_REDUCES = (
     "vllm.model_executor.layers.linear:tensor_model_parallel_all_reduce",
-    "vllm.model_executor.layers.fused_moe.runner.moe_runner:tensor_model_parallel_all_reduce",
+    f"{_MOE_RUNNER}:tensor_model_parallel_all_reduce",
 )
 """The all-reduce of ``RowParallelLinear.forward`` and the MoE runner's reductions."""
 WRAPPERS: list[tuple[str, Any]] = [
@@ -74,8 +75,8 @@ PINNED = sorted([
     "vllm.model_executor.models.qwen2:Qwen2MLP.forward",
     "vllm.model_executor.models.deepseek_v2:DeepseekV2MLAAttention.forward",
     "vllm.model_executor.models.deepseek_v2:DeepseekV2MLP.forward",
-    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._maybe_reduce_final_output",
-    "vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._maybe_reduce_shared_expert_output",
+    f"{_MOE_RUNNER}:MoERunner._maybe_reduce_final_output",
+    f"{_MOE_RUNNER}:MoERunner._maybe_reduce_shared_expert_output",
     "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
     "vllm.model_executor.layers.layernorm:RMSNorm.forward_cpu",
     "vllm.distributed.parallel_state:GroupCoordinator.all_gather",
