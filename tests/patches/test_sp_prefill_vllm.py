@@ -52,9 +52,11 @@ class Run:
                 if r["step_mode"] != "decode"]
 
 
-def _run(model: Path, out: Path, options: dict, guard_patches: list[str]) -> Run:
+def _run(model: Path, out: Path, options: dict, guard_patches: list[str],
+         tap: bool = False) -> Run:
     out.mkdir(parents=True, exist_ok=True)
-    config = {"enabled": True, "capabilities": ["guard", "sp_prefill"], "out_dir": str(out),
+    capabilities = ["guard", "sp_prefill", *(["tap"] if tap else [])]
+    config = {"enabled": True, "capabilities": capabilities, "out_dir": str(out),
               "options": {"guard": {"patches": guard_patches},
                           "sp_prefill": {"min_rows": MIN_ROWS, **options}}}
     (out / "arming.json").write_text(json.dumps(config))
@@ -84,13 +86,13 @@ def model() -> Path:
 @pytest.fixture(scope="module")
 def stock(vllm_lock, model, tmp_path_factory) -> Run:
     return _run(model, tmp_path_factory.mktemp("drift"), {"mode": "exact"},
-                ["sp_prefill_injections:drift_llama_layer"])
+                ["sp_prefill_injections:drift_llama_layer"], tap=True)
 
 
 @pytest.fixture(scope="module")
 def exact(vllm_lock, model, tmp_path_factory) -> Run:
     return _run(model, tmp_path_factory.mktemp("exact"), {"mode": "exact"},
-                ["sp_prefill_injections:fail_rank1"])
+                ["sp_prefill_injections:fail_rank1"], tap=True)
 
 
 @pytest.fixture(scope="module", params=["comm", "shard"])
@@ -140,6 +142,27 @@ def test_a_rank_whose_self_check_fails_makes_both_fall_back(exact):
     assert decisions[0, INJECT_ROWS] == ("stock", True)  # exact here, refused by rank 1
     assert decisions[1, INJECT_ROWS] == ("stock", False)
     assert list((exact.out / "sp_prefill-dumps").glob("*-rank1.safetensors"))
+
+
+def test_tap_fingerprints_every_row_of_the_sharded_chunks(stock, exact):
+    # Both runs are armed with tap. On a chunk served sharded, the per-rank shards
+    # between sublayers are joined for tap, so its checkpoints are the stock run's, bit
+    # for bit (exact mode), on both ranks.
+    from enginetap.tap.files import load_run
+
+    (served,) = [r["step"] for r in exact.records(0) if r["path"] == "sp"]
+    for rank in (0, 1):
+        ours = {s.step: s for s in load_run(exact.out).rank(rank).steps}[served]
+        theirs = {s.step: s for s in load_run(stock.out).rank(rank).steps}[served]
+        assert {"L1.in", "L0.attn.out", "L0.mlp.out", "L0.out"} <= set(ours.checkpoints)
+        assert ours.checkpoints == theirs.checkpoints
+        assert _row_keys(ours) == _row_keys(theirs) and len(ours.rows) == 64
+        assert ours.hashes == theirs.hashes
+
+
+def _row_keys(step) -> list[tuple]:
+    # vLLM appends a random suffix to request ids; the request key drops it.
+    return [(r["key"], r["pos"], r["tok"]) for r in step.rows]
 
 
 def test_comm_and_shard_keep_greedy_tokens(stock, inexact):

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from enginetap.core.rowsplit import Joiner, set_row_joiner
 from enginetap.core.tensors import compare_bits, summarize
 from enginetap.guard.bits import dump_mismatch
 
@@ -72,18 +73,22 @@ def current_plan() -> Plan | None:
 
 
 class active:
-    """``with active(plan):`` makes ``plan`` current for one model forward."""
+    """``with active(plan):`` makes ``plan`` current for one model forward, and its
+    :meth:`Plan.join` the row joiner consumers such as tap use on its shards."""
 
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
         self._old: Plan | None = None
+        self._old_joiner: Joiner | None = None
 
     def __enter__(self) -> Plan:
         self._old, _STATE.plan = _STATE.plan, self._plan
+        self._old_joiner = set_row_joiner(self._plan.join)
         return self._plan
 
     def __exit__(self, *exc: object) -> None:
         _STATE.plan = self._old
+        set_row_joiner(self._old_joiner)
 
 
 @dataclass
@@ -118,6 +123,14 @@ class Plan:
         """Advance to the next decoder layer; True when it is the last of the loop."""
         self.layer += 1
         return self.layer == self.layers - 1
+
+    def join(self, tensor: Any, rows: int) -> torch.Tensor | None:
+        """Every rank's rows of ``tensor`` if it is this plan's shard (a collective; not
+        counted in the record: only debugging consumers call it)."""
+        if (not self.sharded or rows != self.rows or not isinstance(tensor, torch.Tensor)
+                or tensor.dim() == 0 or tensor.shape[0] != self.shard):
+            return None
+        return self.tp.all_gather(tensor.contiguous(), dim=0)
 
     # ------------------------------------------------------------------ collectives
     def gather(self, x: torch.Tensor) -> torch.Tensor:
