@@ -12,6 +12,7 @@ from enginetap.core.capability import Capability, CapabilityRegistry
 from enginetap.core.scope import SCOPE_CAPABILITY
 from enginetap.capture.options import CaptureOptions
 from enginetap.guard.options import GuardOptions
+from enginetap.patches.sp_prefill.options import SpPrefillOptions
 from enginetap.tap.options import TapOptions
 
 __all__ = ["REGISTRY", "arm"]
@@ -27,7 +28,12 @@ TAP = Capability("tap", TapOptions, "enginetap.tap.arming:install",
                  "per-step fingerprints of tapped rows at every sublayer",
                  needs=("step", "scope"))
 
-REGISTRY = CapabilityRegistry([STEP, SCOPE_CAPABILITY, GUARD, CAPTURE, TAP])
+SP_PREFILL = Capability("sp_prefill", SpPrefillOptions,
+                        "enginetap.patches.sp_prefill.arming:install",
+                        "sequence-parallel prefill for vLLM at TP >= 2 (guarded patch)")
+
+# sp_prefill last: guard patches (a user's own, or a test's injections) are in place first.
+REGISTRY = CapabilityRegistry([STEP, SCOPE_CAPABILITY, GUARD, CAPTURE, TAP, SP_PREFILL])
 
 
 def arm(config, hooks=None, rank: int = 0, world_size: int = 1):

@@ -310,3 +310,29 @@ def _patch_under_arming(tmp_path):
                                                          ("decision", "check")]
     assert events[1]["chosen"] == "patched" and events[1]["key"].startswith("(bfloat16[4, 64]")
     assert all(isinstance(e["step"], int) for e in events)  # mergeable like step records
+
+
+def test_applies_false_runs_stock_with_no_proof():
+    small = lambda instance, args, kwargs: args[0].shape[0] <= 8  # noqa: E731
+    with ExactPatch(f"{HERE}:rms_norm", rms_norm_by_rows, mode="check", applies=small) as patch:
+        x, w = _inputs(12)
+        assert torch.equal(_module().rms_norm(x, w), _rms(x, w, 1e-6))
+        assert CALLS == {"stock": 1} and patch.decisions == {}
+        _module().rms_norm(*_inputs(6))
+        assert CALLS == {"stock": 2, "patched": 1} and len(patch.decisions) == 1
+
+
+def test_tolerance_accepts_a_close_result_and_says_how_close():
+    # Split-K float32 matmul: summation order changes, values stay within 1e-3 here.
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(16, 256, generator=g), torch.randn(256, 32, generator=g)
+    with ExactPatch(f"{HERE}:matmul", matmul_split_k, tolerance=1e-3) as patch:
+        _module().matmul(a, b)
+        (decision,) = patch.decisions.values()
+        assert decision.patched and "within tolerance" in decision.reason
+        assert "max abs diff" in decision.reason
+    with ExactPatch(f"{HERE}:matmul", matmul_split_k, tolerance=1e-9) as strict:
+        _module().matmul(a, b)
+        assert not next(iter(strict.decisions.values())).patched
+    with pytest.raises(ConfigError, match="tolerance"):
+        ExactPatch(f"{HERE}:matmul", matmul_split_k, tolerance=-1.0)

@@ -43,7 +43,7 @@ def serve(
     ctx: typer.Context,
     model_dir: Path = typer.Argument(..., help="Model folder (or name) for vLLM's --model."),
     arm: str = typer.Option("step", "--arm", help="Comma list of capabilities to arm "
-                            "(step, capture, tap, guard), or 'none'."),
+                            "(step, capture, tap, guard, sp_prefill), or 'none'."),
     out_dir: Path = typer.Option(Path("enginetap-out"), "--out", help="Directory for per-rank "
                                  "output files."),
     requests: str = typer.Option("", "--requests", help="Record only requests whose id "

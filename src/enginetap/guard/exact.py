@@ -56,7 +56,8 @@ class Decision:
     """True: the patched implementation serves this key from now on."""
     reason: str
     local_exact: bool
-    """Whether this rank alone found the outputs bit-identical."""
+    """Whether this rank alone accepted the outputs (bit-identical, or within the
+    patch's tolerance when it has one)."""
 
 
 class ExactnessError(ReachesCaller):
@@ -95,16 +96,24 @@ class ExactPatch:
         group: process group for agreement (``None``: the default group).
         max_keys: bound on remembered decisions (``options.guard.max_keys`` overrides it).
         dump_dir: where the first mismatch is dumped (default from the options; see there).
+        applies: ``applies(instance, args, kwargs) -> bool``; a call for which it is False
+            runs the stock path with no proof and no decision (``instance`` is None for
+            functions). Must be rank-invariant, like ``key``.
+        tolerance: largest absolute difference per element that still proves a key
+            (0, the default: bit-exact only). For patches that change summation order on
+            purpose; the reason logged says how far the outputs were apart.
 
     Raises:
-        ConfigError: an unknown ``mode`` or ``max_keys`` < 1.
+        ConfigError: an unknown ``mode``, ``max_keys`` < 1 or a negative ``tolerance``.
     """
 
     def __init__(self, target: str, patched: Callable[..., Any], *, name: str | None = None,
                  key: KeyFunction | None = None, mutates: Iterable[str] | None = None,
                  mode: Mode | None = None, lock: GuardLock | str | Path | None = None,
                  group: Any = None, max_keys: int = 256,
-                 dump_dir: str | Path | None = None) -> None:
+                 dump_dir: str | Path | None = None,
+                 applies: Callable[[Any, tuple, dict], bool] | None = None,
+                 tolerance: float = 0.0) -> None:
         self.target = target
         self.patched = patched
         self.name = name or target.rpartition(".")[2].rpartition(":")[2]
@@ -115,6 +124,11 @@ class ExactPatch:
         if max_keys < 1:
             raise ConfigError(f"max_keys={max_keys} for {target}", "at least one key must be kept",
                               "pass max_keys >= 1")
+        if not tolerance >= 0:
+            raise ConfigError(f"tolerance={tolerance} for {target}",
+                              "a tolerance is a largest absolute difference", "pass 0 or more")
+        self.applies = applies
+        self.tolerance = float(tolerance)
         self._explicit_mode = _valid_mode(mode) if mode is not None else None
         self._mode: Mode = self._explicit_mode or "check"
         self.max_keys = max_keys
@@ -206,6 +220,8 @@ class ExactPatch:
         mode = self._mode
         if mode == "off":
             return wrapped(*args, **kwargs)
+        if self.applies is not None and not self.applies(instance, args, kwargs):
+            return wrapped(*args, **kwargs)
         if mode == "compare":
             return self._compare(wrapped, instance, args, kwargs)
         key = self.key(args, kwargs)
@@ -230,9 +246,10 @@ class ExactPatch:
             # every rank compiles / captures the same calls, so they stay in step.
             return wrapped(*args, **kwargs)
         result, differences = self._side_by_side(key, wrapped, instance, args, kwargs)
-        local = not differences
+        local = not differences or _within(differences, self.tolerance)
         everyone = agree(local, self.group)
-        decision = Decision(key, everyone, _reason(local, everyone, differences), local)
+        decision = Decision(key, everyone, _reason(local, everyone, differences, self.tolerance),
+                            local)
         self._remember(decision)
         if self._mode == "strict" and not everyone:
             raise ExactnessError(f"{self.name} {describe_key(key)}: {decision.reason}")
@@ -338,11 +355,22 @@ class ExactPatch:
             logger.error("enginetap guard %s: cannot write record: %s", self.name, exc)
 
 
-def _reason(local: bool, everyone: bool, differences: list[Difference]) -> str:
+def _within(differences: list[Difference], tolerance: float) -> bool:
+    """Every difference is elementwise and at most ``tolerance`` apart (NaN never is)."""
+    return tolerance > 0 and all(d.differing >= 0 and d.max_abs <= tolerance
+                                 for d in differences)
+
+
+def _reason(local: bool, everyone: bool, differences: list[Difference],
+            tolerance: float = 0.0) -> str:
+    if everyone and not differences:
+        return "bit-exact on every rank" if tolerance == 0 else (
+            "bit-exact here, within tolerance on every rank")
     if everyone:
-        return "bit-exact on every rank"
+        return f"within tolerance on every rank (here: {summarize(differences)})"
     if local:
-        return "bit-exact here, but another rank differed"
+        here = "bit-exact" if not differences else "within tolerance"
+        return f"{here} here, but another rank differed"
     return summarize(differences)
 
 

@@ -19,6 +19,7 @@ import torch
 from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step, subscribe, unsubscribe
 from enginetap.core.jsonl import RankJsonl
+from enginetap.core.rowsplit import join_rows
 from enginetap.core.tensors import capturing
 from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
@@ -164,6 +165,10 @@ class TapRecorder:
         if tensor.requires_grad:  # only outside inference mode; a view costs little
             tensor = tensor.detach()
         source = token_rows(tensor, self.padded)
+        if source is None:
+            # A row shard of a sequence-parallel forward: fingerprint every rank's rows.
+            joined = join_rows(tensor, self.padded)
+            source = None if joined is None else token_rows(joined, self.padded)
         if source is None or not self.allowed(name):
             return
         device = source.device
