@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -28,14 +29,21 @@ Job = tuple[Callable[[], dict[str, Any]], int]
 
 
 class RecordSink:
-    """One background writer thread per recorder (started on first use)."""
+    """One background writer thread per recorder (started on first use).
+
+    The engine thread shares no lock with it: records are handed over through a ``deque``
+    (atomic append and popleft) and the thread polls, so a KeyboardInterrupt raised in the
+    engine thread mid-hand-over cannot leave a lock held or a wake-up lost for the exit
+    drain (see :mod:`enginetap.capture.writer`, where that hang was seen)."""
 
     def __init__(self, writer: RankJsonl, background: bool = True) -> None:
         self.writer = writer
         self.background = background
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: deque[Job] = deque()
+        self._submitted = 0
+        self._written = 0
+        self._stop = False
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def submit(self, make: Callable[[], dict[str, Any]], step: int) -> None:
         """Write ``make()`` as the record of ``step`` (later, in submission order, when
@@ -43,38 +51,46 @@ class RecordSink:
         if not self.background:
             self.writer.write(make(), step=step)
             return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="enginetap-tap-sink",
-                                                daemon=True)
-                self._thread.start()
-                atexit.register(self.drain)
-        self._queue.put((make, step))
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="enginetap-tap-sink",
+                                            daemon=True)
+            self._thread.start()
+            atexit.register(self.drain)
+        self._submitted += 1
+        self._jobs.append((make, step))
 
     def drain(self) -> None:
         """Wait until every submitted record is written."""
-        if self._thread is not None:
-            self._queue.join()
+        while self._thread is not None and self._thread.is_alive() \
+                and self._written < self._submitted:
+            time.sleep(_POLL_S)
 
     def close(self) -> None:
         """Drain, stop the thread and close the file."""
-        with self._lock:
-            thread, self._thread = self._thread, None
+        thread, self._thread = self._thread, None
         if thread is not None:
-            self._queue.put(None)
+            self._stop = True
             thread.join()
             atexit.unregister(self.drain)
         self.writer.close()
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
             try:
-                if job is None:
+                make, step = self._jobs.popleft()
+            except IndexError:
+                if self._stop:
                     return
-                make, step = job
+                time.sleep(_POLL_S)
+                continue
+            try:
                 self.writer.write(make(), step=step)
             except Exception:  # a record lost must not stop the ones after it
                 logger.exception("enginetap: tap record not written")
             finally:
-                self._queue.task_done()
+                self._written += 1
+
+
+_POLL_S = 0.002
+"""How often the idle writer thread, or a drain, looks again."""
