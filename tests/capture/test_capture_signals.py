@@ -19,7 +19,7 @@ LOOP = Path(__file__).with_name("capture_loop.py")
 
 
 def _start(out: Path, rounds: int = 10_000) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen([sys.executable, str(LOOP), str(out), str(rounds)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -80,7 +80,13 @@ def test_sigterm_and_sigint_flush_the_writer(tmp_path, signum):
     proc = _start(tmp_path)
     _wait_for(proc, "round 1")
     proc.send_signal(signum)
-    proc.wait(timeout=300)
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:  # say where every thread is, then fail
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=60)
+        assert proc.stderr is not None
+        raise AssertionError(f"no exit after {signum!r}:\n{proc.stderr.read()[-6000:]}")
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
     assert summary["written"] == _readable_lines(tmp_path / "ds") > 0
     assert validate_dataset(tmp_path / "ds") == []

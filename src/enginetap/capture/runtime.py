@@ -18,8 +18,10 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import signal
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,10 @@ logger = logging.getLogger("enginetap.capture")
 __all__ = ["CaptureRuntime", "SUMMARY_FILE"]
 
 SUMMARY_FILE = "capture-summary-rank{rank}.json"
+
+
+EXIT_GRACE_S = 20.0
+"""How long a shutdown after SIGTERM/SIGINT may take before the capture ends it."""
 
 
 class CaptureRuntime:
@@ -74,6 +80,7 @@ class CaptureRuntime:
         self._definitions: dict[tuple, Definition | None] = {}
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
+        self._watchdog: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def install(self) -> CaptureRuntime:
@@ -135,11 +142,37 @@ class CaptureRuntime:
         engine thread held is released) and the exit handler flushes the writer.
         Flushing here, in the middle of whatever the engine thread was doing, could
         deadlock on a lock it holds."""
+        self._start_exit_watchdog(signum)
         previous = self._previous_handlers.get(signum)
         if callable(previous):
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
         elif previous != signal.SIG_IGN:
             raise SystemExit(128 + signum)
+
+    def _start_exit_watchdog(self, signum: int) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._exit_watchdog, args=(signum,),
+                                              name="enginetap-capture-exit", daemon=True)
+            self._watchdog.start()
+
+    def _exit_watchdog(self, signum: int) -> None:
+        """After a signal, once the interpreter is shutting down (the main thread has
+        finished), give the exit ``EXIT_GRACE_S``; if the process is still there, the
+        shutdown is stuck (an exception raised by the signal inside a lock's critical
+        section can leave it held): flush the writer, which shares no lock with the
+        engine thread, write the summary and end the process. A program that caught the
+        interrupt and went on is never touched: its main thread stays alive."""
+        main = threading.main_thread()
+        while main.is_alive():
+            time.sleep(0.05)
+        time.sleep(EXIT_GRACE_S)
+        logger.error("enginetap capture: the process did not exit within %.0f s of its "
+                     "shutdown after signal %d; flushing the capture and ending it",
+                     EXIT_GRACE_S, signum)
+        if self.writer is not None:
+            self.writer.close()
+        self._write_summary()
+        os._exit(128 + signum)
 
     # ---------------------------------------------------------------- hot path
     def _wrapper(self, probe: Probe):
@@ -269,6 +302,8 @@ class CaptureRuntime:
         path = self.context.out_dir / SUMMARY_FILE.format(rank=self.context.rank)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.summary(), indent=2, default=str) + "\n")
+            tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(self.summary(), indent=2, default=str) + "\n")
+            os.replace(tmp, path)  # whole, even if the exit watchdog writes it too
         except OSError as exc:
             logger.error("enginetap capture: cannot write %s: %s", path, exc)

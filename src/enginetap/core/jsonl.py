@@ -27,7 +27,9 @@ from enginetap.core.ranks import rank_path
 __all__ = ["RankJsonl", "close_all"]
 
 _OPEN: dict[Path, IO[str]] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
+"""Reentrant: if a signal's exception leaves it held by the thread that was writing,
+that thread's own exit handlers can still take it."""
 
 
 class RankJsonl:
