@@ -81,12 +81,13 @@ def test_sigterm_and_sigint_flush_the_writer(tmp_path, signum):
     _wait_for(proc, "round 1")
     proc.send_signal(signum)
     try:
-        proc.wait(timeout=300)
+        # read both pipes to the end: KeyboardInterrupt prints a traceback, and a child
+        # blocked writing into a full, unread stderr pipe would never exit
+        proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:  # say where every thread is, then fail
         proc.send_signal(signal.SIGABRT)
-        proc.wait(timeout=60)
-        assert proc.stderr is not None
-        raise AssertionError(f"no exit after {signum!r}:\n{proc.stderr.read()[-6000:]}")
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(f"no exit after {signum!r}:\n{err[-6000:]}") from None
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
     assert summary["written"] == _readable_lines(tmp_path / "ds") > 0
     assert validate_dataset(tmp_path / "ds") == []
