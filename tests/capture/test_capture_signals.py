@@ -20,8 +20,11 @@ LOOP = Path(__file__).with_name("capture_loop.py")
 
 def _start(out: Path, rounds: int = 10_000) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    # SIGINT at its default in the child: a background job (CI started with `&`) inherits
+    # it ignored, and an ignored SIGINT is rightly ignored by capture too
     return subprocess.Popen([sys.executable, str(LOOP), str(out), str(rounds)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(proc: subprocess.Popen, line: str, timeout: float = 240) -> None:

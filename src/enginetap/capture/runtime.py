@@ -142,11 +142,13 @@ class CaptureRuntime:
         engine thread held is released) and the exit handler flushes the writer.
         Flushing here, in the middle of whatever the engine thread was doing, could
         deadlock on a lock it holds."""
-        self._start_exit_watchdog(signum)
         previous = self._previous_handlers.get(signum)
+        if previous == signal.SIG_IGN:  # the process ignores it (a background job's SIGINT)
+            return
+        self._start_exit_watchdog(signum)
         if callable(previous):
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
-        elif previous != signal.SIG_IGN:
+        else:
             raise SystemExit(128 + signum)
 
     def _start_exit_watchdog(self, signum: int) -> None:
