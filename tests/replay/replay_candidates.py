@@ -70,3 +70,14 @@ def poisons_its_process(hidden_states: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     _POISONED.append(True)
     raise RuntimeError("CUDA error: an illegal memory access was encountered (first)")
+
+
+def cuda_device_assert(hidden_states: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """A real CUDA fault: an out-of-range gather trips a device-side assert, after which
+    the process's CUDA context refuses every later call (GPU tests only)."""
+    out = _rmsnorm(hidden_states, weight, eps)
+    wild = torch.full((1,), hidden_states.shape[0] + 10**6, device=out.device)
+    out[0] = out[wild][0]
+    torch.cuda.synchronize()
+    return out

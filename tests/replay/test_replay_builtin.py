@@ -62,6 +62,21 @@ def test_crashing_and_nan_candidates_are_contained(rmsnorm_dataset: Built) -> No
     assert not report.ok
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_cuda_fault_is_contained(rmsnorm_dataset: Built) -> None:
+    # A device-side assert poisons the CUDA context of the child it happened in; the
+    # workload after it and the solution after it still run, and pass.
+    names = [f"{CANDIDATES}:{n}" for n in ("cuda_device_assert", "into")]
+    report = replay_dataset(rmsnorm_dataset.root, solution=names, device="cuda", warmup=0,
+                            repeats=1)
+    by_solution = {r.solution: r for r in report.summary}
+    faulty, good = (by_solution[n] for n in names)
+    assert faulty.status in ("ERROR", "FAIL") and "PASS" not in faulty.counts, faulty
+    assert sum(faulty.counts.values()) == 2  # both workloads were tried, each in a new child
+    assert good.status == "PASS" and good.counts == {"PASS": 2}, good
+
+
 def test_a_failed_call_gets_a_fresh_process_for_the_next_workload(rmsnorm_dataset: Built
                                                                    ) -> None:
     name = f"{CANDIDATES}:poisons_its_process"
