@@ -9,7 +9,9 @@ engine does). Variants, interleaved round by round so that machine noise hits al
 
 - ``disarmed``: nothing installed;
 - ``tap``: the tap capability, fingerprints only (no continuity or sampler points), so it
-  records exactly the checkpoints the seed approach records;
+  records exactly the checkpoints the seed approach records; on a GPU its checkpoints are
+  deferred (hashed in place at step end, one kernel);
+- ``tap-gather``: the same with ``defer=False`` (one gather launch per checkpoint);
 - ``tap+points``: the tap as armed by default (KV/state continuity and sampler too);
 - ``seed-002``: per checkpoint copy the tapped rows, weighted int64 row sums, keep the
   result; at step end stack and one transfer (the approach of seed 002, written here).
@@ -196,6 +198,10 @@ def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
     return {"disarmed": Nothing(),
             "tap": TapVariant(model, out / "tap", {"max_rows": rows, "continuity": False,
                                                    "sampler": False}),
+            "tap-gather": TapVariant(model, out / "gather", {"max_rows": rows,
+                                                             "continuity": False,
+                                                             "sampler": False,
+                                                             "defer": False}),
             "tap+points": TapVariant(model, out / "full", {"max_rows": rows}),
             "seed-002": SeedStyle(model, rows)}
 
@@ -211,6 +217,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="decode steps per variant per round")
+    parser.add_argument("--warm", type=int, default=3,
+                        help="untimed decode steps after each variant is armed")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
@@ -227,7 +235,7 @@ def main() -> None:
     model = build(args)
     out = Path(tempfile.mkdtemp(prefix="bench-tap-"))
     variants = make_variants(model, out, args.rows)
-    steps = args.rounds * len(variants) * (args.steps + 1) + args.steps + 1
+    steps = args.rounds * len(variants) * (args.steps + args.warm) + args.steps + 1
     loop = Loop(model, args.batch, args.context, args.device,
                 args.context + steps + 8 if args.static else 0)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -235,7 +243,8 @@ def main() -> None:
         for name, variant in variants.items():
             variant.install()
             try:
-                loop.decode()  # warm: first step of a variant (allocations, layouts)
+                for _ in range(args.warm):  # allocations, layouts; the tap's first
+                    loop.decode()               # steps also verify its deferred checkpoints
                 times[name] += [loop.decode() for _ in range(args.steps)]
             finally:
                 variant.uninstall()
@@ -281,9 +290,11 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], variants: di
         print(f"  {name:11s} median {ms:8.3f} ms/step  x{ms / base:6.3f}  +{ms - base:7.3f} ms"
               f"  (min {low[name]:8.3f}  +{low[name] - low['disarmed']:7.3f}){extra}")
     for label, table in (("median", median), ("min", low)):
-        tap, seed = table["tap"] - table["disarmed"], table["seed-002"] - table["disarmed"]
-        ratio = seed / tap if tap > 0 else float("inf")
-        print(f"  seed-002 overhead / tap overhead ({label}): {ratio:.2f}")
+        seed = table["seed-002"] - table["disarmed"]
+        for name in ("tap", "tap-gather"):
+            tap = table[name] - table["disarmed"]
+            ratio = seed / tap if tap > 0 else float("inf")
+            print(f"  seed-002 overhead / {name} overhead ({label}): {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -31,4 +31,12 @@ staging = StepStaging(2, torch.device("cpu"))
 staging.reset(2)
 staging.stage(torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.tensor([4, 1]))
 assert staging.hashes().shape == (1, 2)
+# rows of several tensors read in place through a pointer table (deferred checkpoints)
+parts = [torch.randn(9, 96, generator=g).to(torch.bfloat16), torch.randn(9, 40, generator=g),
+         torch.randn(9, 130, generator=g)[:, 2:]]  # a strided view: row stride 130 floats
+index = torch.tensor([8, 0, 3])
+table = torch.tensor([(t.data_ptr(), t.stride(0) * t.element_size() // 4,
+                       t.shape[1] * t.element_size() // 4) for t in parts]).t().contiguous()
+got = kernels.hash_table_rows(table, index, 128)
+assert torch.equal(got, torch.stack([hash_rows(t[index]) for t in parts]))
 print("kernels agree")

@@ -33,3 +33,19 @@ def test_kernels_on_cuda_equal_the_cpu_reference() -> None:
     assert torch.equal(got.flatten(), hash_rows(x.reshape(-1, 5120)))
     big = torch.randn(3_000_001)
     assert fingerprint(big.cuda()) == fingerprint(big)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pointer_table_kernel_on_cuda_equals_the_cpu_reference() -> None:
+    from enginetap.tap.kernels import hash_table_rows
+
+    parts = [torch.randn(70, 5120).to(torch.bfloat16), torch.randn(70, 8),
+             torch.randn(70, 1030)[:, 6:]]
+    index = torch.tensor([69, 3, 3, 0])
+    on = [t.cuda() if t.is_contiguous() else t.cuda().contiguous()[:, :] for t in parts]
+    on[2] = torch.randn(70, 1030).cuda()[:, 6:]
+    on[2].copy_(parts[2].cuda())
+    table = torch.tensor([(t.data_ptr(), t.stride(0) * t.element_size() // 4,
+                           t.shape[1] * t.element_size() // 4) for t in on]).t().contiguous()
+    got = hash_table_rows(table.cuda(), index.cuda(), 2560).cpu()
+    assert torch.equal(got, torch.stack([hash_rows(t[index]) for t in parts]))

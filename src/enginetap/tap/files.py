@@ -36,6 +36,9 @@ class StepRecord:
     sampler: list[dict[str, Any]]
     sampled: dict[str, int]
     line: int
+    dropped: list[str] = field(default_factory=list)
+    """Checkpoints left out of this step: deferred tensors modified in place before step
+    end (see :mod:`enginetap.tap.deferred`)."""
 
     def hash_of(self, checkpoint: int, row: int) -> str:
         return self.hashes[checkpoint][row]
@@ -104,7 +107,8 @@ def _step(path: Path, number: int, record: dict[str, Any]) -> StepRecord:
                        "record the run again; the file is corrupt")
     hashes = [[h[i:i + 16] for i in range(0, len(h), 16)] for h in packed]
     return StepRecord(record["step"], record["mode"], rows, checkpoints, hashes,
-                      record.get("sampler") or [], record.get("sampled") or {}, number)
+                      record.get("sampler") or [], record.get("sampled") or {}, number,
+                      [str(n) for n in record.get("dropped") or []])
 
 
 def load_rank(path: Path) -> RankTap:

@@ -9,7 +9,10 @@ whole-tensor fingerprint run near the device's read bandwidth.
 - :func:`hash_rows_kernel`: every row of a ``[rows, width]`` buffer at once, one launch
   (the step's staged checkpoint rows, see :class:`~enginetap.tap.fingerprint.StepStaging`);
 - :func:`fingerprint_tensor`: one hash of a whole tensor's bytes in two launches (per-chunk
-  partial sums with global word positions, then their sum): state and KV continuity.
+  partial sums with global word positions, then their sum): state and KV continuity;
+- :func:`hash_table_rows`: chosen rows of many tensors, read in place through a table of
+  base pointers, in one launch (the deferred checkpoints of a step, see
+  :mod:`enginetap.tap.deferred`).
 
 Both need Triton and a device it runs on (CUDA; on a CPU, Triton's interpreter, which the
 tests use through ``TRITON_INTERPRET=1``). :func:`available` says whether they apply to a
@@ -22,7 +25,7 @@ import os
 
 import torch
 
-__all__ = ["available", "fingerprint_tensor", "hash_rows_kernel"]
+__all__ = ["available", "fingerprint_tensor", "hash_rows_kernel", "hash_table_rows"]
 
 GOLDEN_SIGNED = 0x9E3779B97F4A7C15 - (1 << 64)
 """The weight multiplier of :func:`~enginetap.tap.fingerprint.word_weights` as an int64."""
@@ -62,6 +65,23 @@ if triton is not None:
             acc += x * (((j + 1) * golden) | 1)
         tl.store(out + row, tl.sum(acc, axis=0))
 
+    @triton.jit
+    def _hash_table(table, index, out, n_rows, golden, BLOCK: tl.constexpr):
+        # table: [3, n] int64 = base address, row stride in words, row width in words
+        c = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1).to(tl.int64)
+        n = tl.num_programs(0).to(tl.int64)
+        base = tl.load(table + c).to(tl.pointer_type(tl.int32))
+        stride = tl.load(table + n + c)
+        width = tl.load(table + 2 * n + c)
+        src = base + tl.load(index + r) * stride
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            x = tl.load(src + offs, mask=offs < width, other=0).to(tl.int64)
+            acc += x * (((offs + 1) * golden) | 1)
+        tl.store(out + c * n_rows + r, tl.sum(acc, axis=0))
+
 
 def _words(flat: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as 32-bit words where their count allows, else bytes
@@ -98,3 +118,18 @@ def fingerprint_tensor(tensor: torch.Tensor) -> int:
     _hash_words[(chunks,)](words, partial, words.numel(), GOLDEN_SIGNED,
                            ROW_WORDS=CHUNK_WORDS, GLOBAL=True, BLOCK=2048, num_warps=8)
     return int(partial.sum().item())
+
+
+def hash_table_rows(table: torch.Tensor, index: torch.Tensor, max_words: int) -> torch.Tensor:
+    """Rows ``index`` of every tensor listed in ``table`` hashed in place: ``[n, rows]``
+    int64, row ``r`` of tensor ``c`` equal to :func:`~enginetap.tap.fingerprint.hash_rows`
+    of ``tensor_c[index[r]]``. ``table`` is ``[3, n]`` int64 on the device: each tensor's
+    base address (4-byte aligned), row stride and row width, both in 32-bit words;
+    ``max_words`` bounds the widths (it picks the block size). One launch."""
+    n, rows = table.shape[1], index.numel()
+    out = torch.empty((n, rows), dtype=torch.int64, device=index.device)
+    if n and rows:
+        block = min(1024, max(16, triton.next_power_of_2(max(1, max_words))))
+        _hash_table[(n, rows)](table, index, out, rows, GOLDEN_SIGNED, BLOCK=block,
+                               num_warps=4)
+    return out

@@ -38,6 +38,19 @@ class TapOptions(BaseModel):
     ``{"steps": [first, last], "checkpoints": [...], "requests": [...]}`` (checkpoint
     names or name prefixes like ``"L3"``, request-key substrings; both optional): the
     rows written for the steps in that window. Missing or empty: nothing is written."""
+    defer: bool = True
+    """On a device Triton runs on (CUDA): hash checkpoints whose tensors nothing modifies
+    later in the step at step end, in place, all in one kernel, instead of one gather per
+    checkpoint; each checkpoint is verified against the gather path the first times it is
+    seen in a step of each kind and every ``defer_verify_every`` steps (see
+    ``enginetap.tap.deferred`` for what that cannot see). Not with ``vectors`` (they need the gathered
+    rows)."""
+    defer_bytes: int = Field(1 << 30, ge=0)
+    """Most bytes of checkpointed tensors kept alive until step end by ``defer`` (beyond
+    it, checkpoints are gathered as they come: long prefills)."""
+    defer_verify_every: int = Field(50, ge=0)
+    """With ``defer``: every this many steps, every deferred checkpoint is also gathered
+    and the two hashes compared (0: only the first steps of each kind)."""
     force: bool = False
     """Record even under torch.compile tracing or CUDA-graph capture (where the hooks
     would be traced into the graph); refused by default."""

@@ -1,8 +1,9 @@
 """The per-step tap: stages checkpoint rows on device, writes one record per step.
 
 Step begin picks the tapped rows; every checkpoint during the step gathers those rows'
-bytes into the step's staging buffer (:mod:`enginetap.tap.fingerprint`); step end hashes
-them all and brings hashes and sampler values to the host in one transfer; the JSONL
+bytes into the step's staging buffer (:mod:`enginetap.tap.fingerprint`), or, on a GPU,
+keeps the tensor to hash in place at step end (:mod:`enginetap.tap.deferred`); step end
+hashes them all and brings hashes and sampler values to the host in one transfer; the JSONL
 record is formatted and written off the step path where a GPU runs the model
 (:mod:`enginetap.tap.sink`). Outside a step (warm-up, dummy runs) every checkpoint is
 a no-op.
@@ -21,6 +22,7 @@ from enginetap.core.context import Step, subscribe, unsubscribe
 from enginetap.core.jsonl import RankJsonl
 from enginetap.core.rowsplit import join_rows
 from enginetap.core.tensors import capturing
+from enginetap.tap.deferred import DeferredHashes
 from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
 from enginetap.tap.rows import PrefixTracker, row_records, select_rows
@@ -56,6 +58,8 @@ class TapRecorder:
         self.last_bytes = 0
         """Bytes staged and hashed in the last step."""
         self._staging: dict[torch.device, StepStaging] = {}
+        self._deferred: dict[torch.device, DeferredHashes | None] = {}
+        self._defer = options.defer and options.vectors == "off"
         self._cuda = torch.cuda.is_available()
         self._forced = options.force
         self._clear()
@@ -66,6 +70,9 @@ class TapRecorder:
         self.rows: list[dict[str, Any]] = []
         self.token_index: list[int] = []
         self.names: list[tuple[torch.device, str]] = []
+        self.slots: list[int] = []
+        """Per name: its slot in its device's staging order (>= 0), or ``-1 - i`` for the
+        ``i``-th deferred checkpoint of the step."""
         self.counts: dict[str, int] = {}
         self.sampler: list[tuple[torch.device, torch.Tensor]] = []
         self.request_of_row: list[int] = []
@@ -113,6 +120,9 @@ class TapRecorder:
         self.request_token_index = [self.token_index[i] for i in last.values()]
         for device, staging in self._staging.items():
             staging.reset(len(picked), self._device_list("inverse", device))
+        for deferred in self._deferred.values():
+            if deferred is not None:
+                deferred.reset(step.mode, step.step)
 
     def end(self, step: Step) -> None:
         if self.step is not step:
@@ -121,7 +131,8 @@ class TapRecorder:
         try:
             self.sink.submit(self._transfer(step), step.step)
             self.last_checkpoints = len(self.names)
-            self.last_bytes = sum(s.used for s in self._staging.values())
+            self.last_bytes = sum(s.used for s in self._staging.values()) + sum(
+                d.hashed_bytes for d in self._deferred.values() if d is not None)
         finally:
             self._clear()
 
@@ -172,11 +183,42 @@ class TapRecorder:
         if source is None or not self.allowed(name):
             return
         device = source.device
+        unique = name if name not in self.counts else self._unique(name)
+        self.counts.setdefault(name, 1)
+        self.names.append((device, unique))
+        if self._defer:
+            deferred = self._deferred.get(device, False)
+            if deferred is False:
+                deferred = self._deferred_for(source)
+            if deferred is not None and deferred.accepts(unique, source):
+                slot = deferred.add(unique, source)
+                if not deferred.needs_check(unique):
+                    self.slots.append(-1 - slot)
+                    return
+                deferred.checks.append((unique, self._stage(source), slot))
+                self.slots.append(deferred.checks[-1][1])
+                return
+        self.slots.append(self._stage(source))
+
+    def _stage(self, source: torch.Tensor) -> int:
+        """Gather the tapped rows of ``source`` into a staging slot; the slot's place in
+        its device's staging order."""
+        device = source.device
         staging = self._staging.get(device) or self._staging_for(device)
         index = self._index.get(("rows", device))
         staging.stage(source, self.index(device) if index is None else index)
-        self.names.append((device, name if name not in self.counts else self._unique(name)))
-        self.counts.setdefault(name, 1)
+        return len(staging.order) - 1
+
+    def _deferred_for(self, source: torch.Tensor) -> DeferredHashes | None:
+        from enginetap.tap import kernels
+
+        found = None
+        if kernels.available(source):
+            found = DeferredHashes(source.device, self.options.defer_bytes,
+                                   verify_every=self.options.defer_verify_every)
+            found.reset(self.step.mode if self.step else "", self.step.step if self.step else 1)
+        self._deferred[source.device] = found
+        return found
 
     def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
@@ -185,8 +227,10 @@ class TapRecorder:
         source = rows.detach().reshape(len(self.rows), -1)
         if source.dtype == torch.bool:
             source = source.view(torch.uint8)
-        self._staging_for(source.device).stage(source, None)
+        staging = self._staging_for(source.device)
+        staging.stage(source, None)
         self.names.append((source.device, self._unique(name)))
+        self.slots.append(len(staging.order) - 1)
 
     def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
@@ -196,8 +240,10 @@ class TapRecorder:
         source = rows.detach().reshape(len(self.request_token_index), -1)
         if source.dtype == torch.bool:
             source = source.view(torch.uint8)
-        self._staging_for(source.device).stage_per_request(source)
+        staging = self._staging_for(source.device)
+        staging.stage_per_request(source)
         self.names.append((source.device, self._unique(name)))
+        self.slots.append(len(staging.order) - 1)
 
     def note_logits(self, logits: torch.Tensor) -> None:
         """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
@@ -225,22 +271,65 @@ class TapRecorder:
     def _transfer(self, step: Step) -> Any:
         """Hash what was staged and bring it to the host (one transfer per device, one
         device in practice); returns the function that formats the record from it."""
-        by_device: dict[torch.device, list[str]] = {}
-        for device, name in self.names:
-            by_device.setdefault(device, []).append(name)
+        by_device: dict[torch.device, list[tuple[str, int]]] = {}
+        for (device, name), slot in zip(self.names, self.slots):
+            by_device.setdefault(device, []).append((name, slot))
         host: list[tuple[list[str], torch.Tensor, int]] = []
-        for device, names in by_device.items():
+        dropped: list[str] = []
+        k = len(self.rows)
+        for device, entries in by_device.items():
+            hashes, names, checks = self._device_hashes(device, entries, dropped)
             extra = [p.flatten() for d, p in self.sampler if d == device]
-            flat = torch.cat([self._staging[device].hashes().flatten(), *extra]).cpu()
+            flat = torch.cat([hashes.flatten(), checks, *extra]).cpu()
+            if checks.numel():
+                deferred = self._deferred[device]
+                assert deferred is not None
+                deferred.compare_flags(flat[len(names) * k:len(names) * k + checks.numel()])
+                flat = torch.cat([flat[:len(names) * k], flat[len(names) * k + checks.numel():]])
             host.append((names, flat, len(extra)))
             if self.vectors is not None:
                 self.vectors.maybe_dump(step.step, self.rows, names, self._staging[device],
-                                        flat[:len(names) * len(self.rows)])
+                                        flat[:len(names) * k])
         host += [([], p.cpu(), 1) for d, p in self.sampler if d not in by_device]
-        rows, order = self.rows, [name for _, name in self.names]
-        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": rows,
+        gone = set(dropped)
+        order = [name for _, name in self.names if name not in gone]
+        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": self.rows,
                 "checkpoints": order, "sampled": dict(step.sampled)}
-        return lambda: _format(head, host, len(rows))
+        if dropped:
+            head["dropped"] = dropped
+        return lambda: _format(head, host, k)
+
+    def _device_hashes(self, device: torch.device, entries: list[tuple[str, int]],
+                       dropped: list[str]) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+        """One device's ``[checkpoints, rows]`` hashes in checkpoint order (staged and
+        deferred merged; deferred tensors modified since their checkpoint left out and
+        named in ``dropped``), the names kept, and the verification flags (int64, 1 where
+        a verified checkpoint's deferred hash equals its staged one)."""
+        staging = self._staging.get(device)
+        staged = staging.hashes() if staging is not None else \
+            torch.zeros((0, len(self.rows)), dtype=torch.int64, device=device)
+        deferred = self._deferred.get(device)
+        no_checks = torch.zeros(0, dtype=torch.int64, device=device)
+        if deferred is None or not deferred.names:
+            return staged, [name for name, _ in entries], no_checks
+        moved = set(deferred.moved())
+        later = deferred.hashes(self.index(device))
+        order, names = [], []
+        for name, slot in entries:
+            if slot < 0 and -1 - slot in moved:
+                dropped.append(name)
+                continue
+            order.append(slot if slot >= 0 else staged.shape[0] - 1 - slot)
+            names.append(name)
+        merged = torch.cat([staged, later]).index_select(
+            0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
+        checks = no_checks
+        if deferred.checks:
+            pairs = torch.tensor([(s, d) for _, s, d in deferred.checks], dtype=torch.int64)
+            pairs = pairs.to(device, non_blocking=True)
+            checks = (staged.index_select(0, pairs[:, 0]) == later.index_select(0, pairs[:, 1])
+                      ).all(dim=1).to(torch.int64)
+        return merged, names, checks
 
     def _write_header(self, step: Step) -> None:
         self._header = True

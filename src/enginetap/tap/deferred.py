@@ -1,0 +1,154 @@
+"""Deferred checkpoints: hashed at step end, in place, by one kernel for the whole step.
+
+The staged path (:class:`~enginetap.tap.fingerprint.StepStaging`) costs one gather launch
+per checkpoint. On a GPU a decode step has hundreds of checkpoints, and those launches (and
+the host time around them) are most of what a tap costs. A deferred checkpoint instead
+keeps a reference to the tensor and its version counter; at step end one Triton kernel
+reads the tapped rows of every deferred tensor through a table of base pointers
+(:func:`enginetap.tap.kernels.hash_table_rows`). The hash is the same function of the
+same bytes, so records do not say which path made them.
+
+That is only right if the bytes are still those the checkpoint saw. These rules make
+sure they are, or that nothing is recorded:
+
+- **Verified before trusted.** The first ``verify`` times a checkpoint name is seen in a
+  step of a kind (prefill, decode, mixed), and in every ``verify_every``-th step, it is
+  staged as before *and* deferred; the record carries the staged hash, and the two are
+  compared when the step's hashes reach the host. A difference means something writes
+  that tensor later in the step (an in-place kernel, e.g. vLLM's fused add+norm on its
+  residual): the name is demoted to the staged path for good, and logged once. Engines
+  write in place by code path, so a write seen once is seen at the first step of its kind.
+- **Version counters.** A deferred tensor that tracks versions and whose counter moved
+  since its checkpoint (an in-place torch op on it or on any view of its storage) is
+  dropped from that step's record (listed under ``"dropped"``), and its name is demoted.
+  Tensors made under ``torch.inference_mode`` (the engines' forwards) track no version:
+  for them verification is the guard.
+- **A byte budget.** Kept tensors stay alive until step end; once the tensors kept this
+  step would exceed ``budget`` bytes (a long prefill), further checkpoints are staged.
+
+What deferral cannot see: a write after a checkpoint, into an inference tensor, that only
+some steps of a kind make, between two verification steps. ``defer=False`` (options.tap)
+rules that out at the gather path's cost.
+
+Deferral needs Triton on the tensor's device (CUDA; Triton's interpreter on a CPU in the
+tests) and rows of 32-bit words at a 4-byte aligned address; anything else is staged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("enginetap.tap")
+
+__all__ = ["DeferredHashes"]
+
+
+@dataclass
+class DeferredHashes:
+    """One device's deferred checkpoints of the current step, and what was learned about
+    each checkpoint name across steps (verification count, demotions)."""
+
+    device: torch.device
+    budget: int
+    verify: int = 2
+    verify_every: int = 50
+    mode: str = ""
+    full: bool = False
+    """This step verifies every deferred checkpoint (every ``verify_every``-th step)."""
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    checks: list[tuple[str, int, int]] = field(default_factory=list)
+    """(name, staged slot, deferred slot) of the checkpoints verified this step."""
+    held: int = 0
+    hashed_bytes: int = 0
+    """Bytes of tapped rows the last :meth:`hashes` read."""
+    verified: dict[tuple[str, str], int] = field(default_factory=dict)
+    demoted: dict[str, str] = field(default_factory=dict)
+    """Checkpoint name → why it is staged from now on."""
+
+    def reset(self, mode: str = "", step: int = 1) -> None:
+        """Start step number ``step`` of kind ``mode``."""
+        self.tensors, self.versions, self.names, self.checks = [], [], [], []
+        self.mode = mode
+        self.full = self.verify_every > 0 and step % self.verify_every == 0
+        self.held = self.hashed_bytes = 0
+
+    def accepts(self, name: str, source: torch.Tensor) -> bool:
+        """Whether ``source`` (``[rows, width]``, last dim contiguous) can be deferred."""
+        if name in self.demoted:
+            return False
+        nbytes = source.shape[1] * source.element_size()
+        if nbytes % 4 or source.data_ptr() % 4 or source.stride(0) * source.element_size() % 4:
+            return False
+        size = source.shape[0] * source.stride(0) * source.element_size()
+        if self.held + size > self.budget:
+            return False
+        self.held += size
+        return True
+
+    def needs_check(self, name: str) -> bool:
+        """True the first ``verify`` times ``name`` is deferred in a step of this kind, and
+        in full verification steps (it is then staged too)."""
+        if self.full:
+            return True
+        key = (self.mode, name)
+        seen = self.verified.get(key, 0)
+        if seen >= self.verify:
+            return False
+        self.verified[key] = seen + 1
+        return True
+
+    def add(self, name: str, source: torch.Tensor) -> int:
+        """Keep ``source`` to hash at step end; its slot among this step's deferred."""
+        self.tensors.append(source)
+        self.versions.append(None if source.is_inference() else source._version)
+        self.names.append(name)
+        return len(self.tensors) - 1
+
+    def moved(self) -> list[int]:
+        """Slots whose tensor was modified in place since its checkpoint (demoted)."""
+        moved = [i for i, (t, v) in enumerate(zip(self.tensors, self.versions))
+                 if v is not None and t._version != v]
+        for i in moved:
+            self._demote(self.names[i], "modified in place after its checkpoint, before "
+                                        "the step ended (its version counter moved)")
+        return moved
+
+    def hashes(self, index: torch.Tensor) -> torch.Tensor:
+        """``[deferred, rows]`` int64 hashes of rows ``index`` of every kept tensor, one
+        launch; the references are dropped (the kernel is queued after the step's work on
+        the same stream, so the caching allocator cannot hand their memory out before)."""
+        from enginetap.tap import kernels
+
+        if not self.tensors:
+            return torch.zeros((0, index.numel()), dtype=torch.int64, device=self.device)
+        columns = []
+        widest = 1
+        for t in self.tensors:
+            size = t.element_size()
+            width = t.shape[1] * size // 4
+            widest = max(widest, width)
+            self.hashed_bytes += width * 4 * index.numel()
+            columns.append((t.data_ptr(), t.stride(0) * size // 4, width))
+        table = torch.tensor(columns, dtype=torch.int64).t().contiguous()
+        out = kernels.hash_table_rows(table.to(self.device, non_blocking=True), index, widest)
+        self.tensors = []
+        return out
+
+    def compare_flags(self, equal: torch.Tensor) -> None:
+        """This step's verifications as host flags (1: the deferred hash of every tapped
+        row equals the staged one), in :attr:`checks` order; a 0 demotes the name."""
+        for (name, _, _), same in zip(self.checks, equal.tolist()):
+            if not same:
+                self._demote(name, "its bytes at step end differ from those at its "
+                                   "checkpoint (something writes the tensor later in the "
+                                   "step)")
+
+    def _demote(self, name: str, why: str) -> None:
+        if name not in self.demoted:
+            self.demoted[name] = why
+            logger.info("tap: %s is hashed at its checkpoint from now on: %s", name, why)
