@@ -11,6 +11,8 @@ engine does). Variants, interleaved round by round so that machine noise hits al
 - ``tap``: the tap capability, fingerprints only (no continuity or sampler points), so it
   records exactly the checkpoints the seed approach records; on a GPU its checkpoints are
   deferred (hashed in place at step end, one kernel);
+- ``tap-inline``: ``tap`` with its records written in the engine thread at step end (by
+  default a GPU run writes them on the sink's thread);
 - ``tap-gather``: the same with ``defer=False`` (one gather launch per checkpoint);
 - ``tap+points``: the tap as armed by default (KV/state continuity and sampler too);
 - ``seed-002``: per checkpoint copy the tapped rows, weighted int64 row sums, keep the
@@ -168,6 +170,9 @@ class TapVariant:
     def __init__(self, model: Any, out: Path, options: dict[str, Any]) -> None:
         self.model, self.out, self.options, self.arming = model, out, options, None
 
+    inline = False
+    """Write records in the engine thread at step end instead of the sink's thread."""
+
     def install(self) -> None:
         from enginetap.capabilities import arm
         from enginetap.config import ArmConfig
@@ -177,6 +182,8 @@ class TapVariant:
                            options={"tap": self.options, "step": {"record": False}})
         self.arming = arm(config, HFHooks())
         self.arming.hooks.model_loaded(self.model)
+        if self.inline:
+            self.recorder.sink.background = False
 
     @property
     def recorder(self) -> Any:
@@ -194,10 +201,38 @@ class Nothing:
     def uninstall(self) -> None: ...
 
 
+def inline(variant: TapVariant) -> TapVariant:
+    variant.inline = True
+    return variant
+
+
+HOOK_TIME: dict[str, list[float]] = {}
+
+
+def time_hooks() -> None:
+    """Host time of the recorder's step begin and end (both run while the device waits)."""
+    from enginetap.tap.recorder import TapRecorder
+
+    for name in ("begin", "end"):
+        original = getattr(TapRecorder, name)
+
+        def timed(self: Any, step: Any, _original: Any = original, _name: str = name) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(self, step)
+            finally:
+                HOOK_TIME.setdefault(_name, []).append(time.perf_counter() - start)
+
+        setattr(TapRecorder, name, timed)
+
+
 def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
     return {"disarmed": Nothing(),
             "tap": TapVariant(model, out / "tap", {"max_rows": rows, "continuity": False,
                                                    "sampler": False}),
+            "tap-inline": inline(TapVariant(model, out / "inline",
+                                            {"max_rows": rows, "continuity": False,
+                                             "sampler": False})),
             "tap-gather": TapVariant(model, out / "gather", {"max_rows": rows,
                                                              "continuity": False,
                                                              "sampler": False,
@@ -225,9 +260,13 @@ def main() -> None:
     parser.add_argument("--static", action="store_true",
                         help="a preallocated KV cache (transformers StaticCache): the dynamic "
                         "cache grows every step and its allocations stall the host at random")
+    parser.add_argument("--time-hooks", action="store_true",
+                        help="also print the host time of the recorder's step begin/end")
     parser.add_argument("--profile", default="", help="also print the host profile "
                         "(cProfile, top functions) of this variant's steps")
     args = parser.parse_args()
+    if args.time_hooks:
+        time_hooks()
     torch.set_num_threads(args.threads)
     DEVICE = args.device
     if args.device == "cpu" and args.threads == 1:
@@ -249,6 +288,9 @@ def main() -> None:
             finally:
                 variant.uninstall()
     report(args, times, variants)
+    for name, spent in HOOK_TIME.items():
+        print(f"  recorder.{name}: median {statistics.median(spent) * 1e3:.3f} ms host time "
+              f"over {len(spent)} steps (all tap variants)")
     if args.profile:
         profile(loop, variants[args.profile], args.steps)
 

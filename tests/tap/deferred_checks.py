@@ -1,5 +1,6 @@
-"""Run by test_deferred.py in a child with TRITON_INTERPRET=1 (Triton's interpreter makes
-the deferred path run on the CPU): the built-in engine tapped with deferred checkpoints
+"""Run by test_deferred.py in a child: ``deferred_checks.py cpu`` with TRITON_INTERPRET=1
+(Triton's interpreter makes the deferred path run on the CPU), or ``deferred_checks.py
+cuda`` on a GPU. The built-in engine tapped with deferred checkpoints
 records exactly what the gather path records, and a tensor written after its checkpoint
 is caught — by the first verification of its kind, by a periodic full verification, or by
 its version counter (where the tensor has one) — and never recorded wrong.
@@ -26,7 +27,8 @@ from enginetap.tap import kernels
 from enginetap.tap.deferred import DeferredHashes
 from enginetap.tap.files import load_run
 
-assert kernels.available(torch.zeros(1)), "the interpreter should make the kernels run"
+DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+assert kernels.available(torch.zeros(1, device=DEVICE)), f"the kernels should run on {DEVICE}"
 
 DEFERRED: list[int] = []
 DEMOTED: list[str] = []
@@ -78,7 +80,7 @@ def run(out: Path, defer: bool, what: str) -> tuple[list[list[int]], list[dict[s
                        options={"tap": tap, "step": {"record": False}})
     try:
         engine = HFEngine.from_builtin("llama", dtype=torch.float32, prefix_cache_size=0,
-                                       arm=config)
+                                       arm=config, device=DEVICE)
         FIRST_MLP[0] = engine.model.model.layers[0].mlp
         reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=6)
                 for i, p in enumerate(["the cat sat", "on a mat", "the cat sat"])]

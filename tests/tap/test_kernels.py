@@ -16,6 +16,9 @@ from enginetap.tap.fingerprint import fingerprint, hash_rows
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are "
+                    "checked on the device (the tests below); Triton 3.6's interpreter there "
+                    "fails on kernels Triton 3.9's runs")
 def test_kernels_equal_the_reference_in_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_checks.py"))],

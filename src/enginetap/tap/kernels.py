@@ -66,7 +66,7 @@ if triton is not None:
         tl.store(out + row, tl.sum(acc, axis=0))
 
     @triton.jit
-    def _hash_table(table, index, out, n_rows, golden, BLOCK: tl.constexpr):
+    def _hash_table(table, index, out, n_rows, max_width, golden, BLOCK: tl.constexpr):
         # table: [3, n] int64 = base address, row stride in words, row width in words
         c = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1).to(tl.int64)
@@ -76,7 +76,7 @@ if triton is not None:
         width = tl.load(table + 2 * n + c)
         src = base + tl.load(index + r) * stride
         acc = tl.zeros([BLOCK], dtype=tl.int64)
-        for start in range(0, width, BLOCK):
+        for start in range(0, max_width, BLOCK):  # a kernel argument, not a loaded value
             offs = start + tl.arange(0, BLOCK).to(tl.int64)
             x = tl.load(src + offs, mask=offs < width, other=0).to(tl.int64)
             acc += x * (((offs + 1) * golden) | 1)
@@ -130,6 +130,6 @@ def hash_table_rows(table: torch.Tensor, index: torch.Tensor, max_words: int) ->
     out = torch.empty((n, rows), dtype=torch.int64, device=index.device)
     if n and rows:
         block = min(1024, max(16, triton.next_power_of_2(max(1, max_words))))
-        _hash_table[(n, rows)](table, index, out, rows, GOLDEN_SIGNED, BLOCK=block,
-                               num_warps=4)
+        _hash_table[(n, rows)](table, index, out, rows, max(1, max_words), GOLDEN_SIGNED,
+                               BLOCK=block, num_warps=4)
     return out
