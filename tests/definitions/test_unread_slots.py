@@ -54,6 +54,19 @@ def _paged(names: tuple[str, ...]) -> Callable[[dict, int], Masks]:
     return reads
 
 
+def _paged_prefill(inputs: dict, r: int) -> Masks:
+    """Query row ``r`` (the ``i``-th of request ``b``'s ``n``) reads the first
+    ``L - n + i + 1`` of ``b``'s ``L`` tokens (causal over its cached prefix)."""
+    qo, kv = inputs["qo_indptr"].tolist(), inputs["kv_indptr"].tolist()
+    b = next(i for i in range(len(qo) - 1) if qo[i] <= r < qo[i + 1])
+    pages = inputs["kv_indices"][kv[b]:kv[b + 1]].tolist()
+    cache = inputs["ckv_cache"]
+    total = (len(pages) - 1) * cache.shape[1] + int(inputs["kv_last_page_len"][b])
+    length = total - (qo[b + 1] - qo[b]) + (r - qo[b]) + 1
+    read = _pages_read(pages, length, tuple(cache.shape[:2]))
+    return {"ckv_cache": read, "kpe_cache": read}
+
+
 def _dsa(inputs: dict, t: int) -> Masks:
     row = inputs["sparse_indices"][t]
     read = _slots_read(row[row >= 0], tuple(inputs["ckv_cache"].shape[:2]))
@@ -110,6 +123,7 @@ READERS: dict[str, Callable] = {
     "gqa_ragged_prefill": lambda d: _ragged,
     "gqa_paged_decode": lambda d: _paged(("k_cache", "v_cache")),
     "mla_paged_decode": lambda d: _paged(("ckv_cache", "kpe_cache")),
+    "mla_paged_prefill": lambda d: _paged_prefill,
     "dsa_sparse_mla": lambda d: _dsa,
     "sparse_mla_prefill_sink": lambda d: _prefill_sink,
     "mla_decode_fp8_fp4_sink": lambda d: _decode_sink,

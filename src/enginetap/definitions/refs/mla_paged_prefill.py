@@ -46,6 +46,17 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices, kv
         limit = torch.arange(n, device=q_nope.device) + (length - n)
         logits = logits.masked_fill((keys[None, :] > limit[:, None])[:, None, :], -math.inf)
         lse_b = torch.logsumexp(logits, dim=-1)
-        output[rows] = (torch.exp(logits - lse_b[..., None]) @ ckv).to(output.dtype)
+        probs = torch.exp(logits - lse_b[..., None])
+        # A query's output depends only on the tokens it attends: a non-finite latent a
+        # query does not reach (a later token) must not enter its sum as 0 * NaN.
+        bad = ~torch.isfinite(ckv).all(dim=-1)
+        if bool(bad.any()):
+            out = probs @ ckv.masked_fill(bad[:, None], 0.0)
+            for j in bad.nonzero().flatten().tolist():
+                readers = limit >= j
+                out[readers] += probs[readers][:, :, j, None] * ckv[j]
+        else:
+            out = probs @ ckv
+        output[rows] = out.to(output.dtype)
         lse[rows] = lse_b / math.log(2.0)
     return output, lse
