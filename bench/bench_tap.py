@@ -96,6 +96,7 @@ class Loop:
                              logits_to_keep=1, **where)
             self.next = out.logits[:, -1].argmax(-1, keepdim=True)
             step.sampled = {f"q{i}": 0 for i in range(b)}
+            self.launched = CLOCK() - start  # host done launching the forward
         sync()
         self.length, self.step = self.length + 1, self.step + 1
         return CLOCK() - start
@@ -278,16 +279,22 @@ def main() -> None:
     loop = Loop(model, args.batch, args.context, args.device,
                 args.context + steps + 8 if args.static else 0)
     times: dict[str, list[float]] = {name: [] for name in variants}
+    launched: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for name, variant in variants.items():
             variant.install()
             try:
                 for _ in range(args.warm):  # allocations, layouts; the tap's first
                     loop.decode()               # steps also verify its deferred checkpoints
-                times[name] += [loop.decode() for _ in range(args.steps)]
+                for _ in range(args.steps):
+                    times[name].append(loop.decode())
+                    launched.setdefault(name, []).append(loop.launched)
             finally:
                 variant.uninstall()
     report(args, times, variants)
+    print("  host time to launch the forward (median; below the step time: the device, not "
+          "the host, sets the pace): " + ", ".join(
+              f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in launched.items()))
     for name, spent in HOOK_TIME.items():
         print(f"  recorder.{name}: median {statistics.median(spent) * 1e3:.3f} ms host time "
               f"over {len(spent)} steps (all tap variants)")

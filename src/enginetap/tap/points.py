@@ -132,6 +132,8 @@ def _batch_rows(recorder: TapRecorder, hidden: Any) -> tuple[torch.Tensor, torch
 def _kv_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
                kwargs: dict) -> None:
     cache = kwargs.get("past_key_values")
+    if cache is None or not recorder.live:
+        return
     layer_idx = getattr(module, "layer_idx", None)
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
@@ -154,6 +156,8 @@ def _kv_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
 def _state_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
                   kwargs: dict, when: str) -> None:
     cache = kwargs.get("cache_params")
+    if cache is None or not recorder.live:
+        return
     layer_idx = getattr(module, "layer_idx", None)
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
@@ -177,7 +181,7 @@ def logits_wrapper(recorder: TapRecorder):
         out = wrapped(*args, **kwargs)
         logits = getattr(out, "logits", None)
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if recorder.step is not None and isinstance(logits, torch.Tensor) \
+        if recorder.step is not None and recorder.live and isinstance(logits, torch.Tensor) \
                 and logits.dim() == 3 and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             batch, _, _ = _batch_rows(recorder, ids)
             recorder.note_logits(logits[batch, -1, :])

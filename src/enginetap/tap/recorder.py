@@ -66,8 +66,10 @@ class TapRecorder:
 
     def _clear(self) -> None:
         self.step: Step | None = None
+        self._pending: Step | None = None
+        """The step whose rows are not picked yet (see :meth:`begin`)."""
         self.padded = 0
-        self.rows: list[dict[str, Any]] = []
+        self._rows: list[dict[str, Any]] = []
         self.token_index: list[int] = []
         self.names: list[tuple[torch.device, str]] = []
         self.slots: list[int] = []
@@ -102,29 +104,54 @@ class TapRecorder:
     def active(self) -> bool:
         return self.step is not None
 
+    @property
+    def live(self) -> bool:
+        """Whether this step taps any row (picks the rows if not done yet)."""
+        if self._pending is not None:
+            self._prepare()
+        return self.step is not None
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The tapped rows' records (picked on first use)."""
+        if self._pending is not None:
+            self._prepare()
+        return self._rows
+
     def begin(self, step: Step) -> None:
+        """Start ``step``. The rows are picked later, when first needed (a gather, a
+        kernel-level point, step end): at step start the device waits for the host, and
+        with deferred checkpoints nothing needs them before step end."""
         self._clear()
-        prefixes = self.prefixes.update(step)
-        picked = select_rows(step, self.filters, self.options.max_rows)
         if not self._header:
             self._write_header(step)
-        if not picked:
-            return
-        self.step = step
+        self.step = self._pending = step
         self.padded = step.padded_tokens or len(step.rows)
-        self.rows = row_records(step, picked, prefixes)
-        self.token_index = [r["token_index"] for r in self.rows]
-        last = {r["key"]: i for i, r in enumerate(self.rows)}
-        order = {key: n for n, key in enumerate(last)}
-        self.request_of_row = [order[r["key"]] for r in self.rows]
-        self.request_token_index = [self.token_index[i] for i in last.values()]
-        for device, staging in self._staging.items():
-            staging.reset(len(picked), self._device_list("inverse", device))
         for deferred in self._deferred.values():
             if deferred is not None:
                 deferred.reset(step.mode, step.step)
 
+    def _prepare(self) -> None:
+        """Pick the step's tapped rows; no rows: the step records nothing."""
+        step, self._pending = self._pending, None
+        assert step is not None
+        prefixes = self.prefixes.update(step)
+        picked = select_rows(step, self.filters, self.options.max_rows)
+        if not picked:
+            self.step = None
+            return
+        self._rows = rows = row_records(step, picked, prefixes)
+        self.token_index = [r["token_index"] for r in rows]
+        last = {r["key"]: i for i, r in enumerate(rows)}
+        order = {key: n for n, key in enumerate(last)}
+        self.request_of_row = [order[r["key"]] for r in rows]
+        self.request_token_index = [self.token_index[i] for i in last.values()]
+        for device, staging in self._staging.items():
+            staging.reset(len(picked), self._device_list("inverse", device))
+
     def end(self, step: Step) -> None:
+        if self._pending is step:
+            self._prepare()
         if self.step is not step:
             self._clear()
             return
@@ -147,6 +174,8 @@ class TapRecorder:
         return self._device_list("requests", device)
 
     def _device_list(self, what: str, device: torch.device) -> torch.Tensor:
+        if self._pending is not None:
+            self._prepare()
         found = self._index.get((what, device))
         if found is None:
             values = {"rows": self.token_index, "requests": self.request_token_index,
@@ -185,20 +214,26 @@ class TapRecorder:
         device = source.device
         unique = name if name not in self.counts else self._unique(name)
         self.counts.setdefault(name, 1)
-        self.names.append((device, unique))
+        check, deferred = -1, None
         if self._defer:
             deferred = self._deferred.get(device, False)
             if deferred is False:
                 deferred = self._deferred_for(source)
             if deferred is not None and deferred.accepts(unique, source):
-                slot = deferred.add(unique, source)
+                check = deferred.add(unique, source)
                 if not deferred.needs_check(unique):
-                    self.slots.append(-1 - slot)
+                    self.names.append((device, unique))
+                    self.slots.append(-1 - check)
                     return
-                deferred.checks.append((unique, self._stage(source), slot))
-                self.slots.append(deferred.checks[-1][1])
+        if self._pending is not None:
+            self._prepare()
+            if self.step is None:
                 return
-        self.slots.append(self._stage(source))
+        slot = self._stage(source)
+        if check >= 0 and deferred is not None:
+            deferred.checks.append((unique, slot, check))
+        self.names.append((device, unique))
+        self.slots.append(slot)
 
     def _stage(self, source: torch.Tensor) -> int:
         """Gather the tapped rows of ``source`` into a staging slot; the slot's place in
@@ -216,13 +251,14 @@ class TapRecorder:
         if kernels.available(source):
             found = DeferredHashes(source.device, self.options.defer_bytes,
                                    verify_every=self.options.defer_verify_every)
-            found.reset(self.step.mode if self.step else "", self.step.step if self.step else 1)
+            if self.step is not None:
+                found.reset(self.step.mode, self.step.step)
         self._deferred[source.device] = found
         return found
 
     def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
-        if self.step is None or not self.allowed(name):
+        if not self.live or not self.allowed(name):
             return
         source = rows.detach().reshape(len(self.rows), -1)
         if source.dtype == torch.bool:
@@ -235,7 +271,7 @@ class TapRecorder:
     def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
         ``name``; every tapped row of a request gets its request's hash."""
-        if self.step is None or not self.allowed(name):
+        if not self.live or not self.allowed(name):
             return
         source = rows.detach().reshape(len(self.request_token_index), -1)
         if source.dtype == torch.bool:
@@ -247,7 +283,7 @@ class TapRecorder:
 
     def note_logits(self, logits: torch.Tensor) -> None:
         """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
-        if self.step is None or not self.options.sampler or not self.allowed("sampler"):
+        if not self.options.sampler or not self.live or not self.allowed("sampler"):
             return
         values, ids = torch.topk(logits.detach().float(), 2, dim=-1)
         packed = torch.cat([ids.to(torch.int64), values.double().view(torch.int64)], dim=1)

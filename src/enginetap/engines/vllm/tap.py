@@ -124,7 +124,7 @@ def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 
     def tap_kv(wrapped: Any, impl: Any, args: tuple, kwargs: dict) -> Any:
         out = wrapped(*args, **kwargs)
-        if recorder.step is None or not recorder.options.continuity:
+        if not recorder.options.continuity or not recorder.live:
             return out
         call = bind_arguments(wrapped, args, kwargs)
         meta, cache, layer = call["attn_metadata"], call["kv_cache"], call["layer"]
@@ -159,7 +159,7 @@ def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
     batch = _Batch()
 
     def tap_state(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:
-        if recorder.step is None or not recorder.options.continuity:
+        if not recorder.options.continuity or not recorder.live:
             return wrapped(*args, **kwargs)
         call = bind_arguments(wrapped, args, kwargs)
         layer, meta = call["layer"], call["attn_metadata_i"]
@@ -188,7 +188,7 @@ def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 
     def tap_logits(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
         logits = wrapped(*args, **kwargs)
-        step = recorder.step
+        step = recorder.step if recorder.live else None
         if step is None or noted[0] is step or not isinstance(logits, torch.Tensor) \
                 or logits.dim() != 2 or logits.shape[0] != step.extra.get("num_reqs"):
             return logits  # other ranks get no logits; speculative rows are not tapped
