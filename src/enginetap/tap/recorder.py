@@ -57,6 +57,8 @@ class TapRecorder:
         """Checkpoints recorded in the last step (benchmarks, logs)."""
         self.last_bytes = 0
         """Bytes staged and hashed in the last step."""
+        self.last_deferred = 0
+        """Checkpoints of the last step hashed in place at step end (the rest gathered)."""
         self._staging: dict[torch.device, StepStaging] = {}
         self._deferred: dict[torch.device, DeferredHashes | None] = {}
         self._defer = options.defer and options.vectors == "off"
@@ -158,6 +160,7 @@ class TapRecorder:
         try:
             self.sink.submit(self._transfer(step), step.step)
             self.last_checkpoints = len(self.names)
+            self.last_deferred = sum(1 for slot in self.slots if slot < 0)
             self.last_bytes = sum(s.used for s in self._staging.values()) + sum(
                 d.hashed_bytes for d in self._deferred.values() if d is not None)
         finally:
