@@ -11,8 +11,9 @@ engine does). Variants, interleaved round by round so that machine noise hits al
 - ``tap``: the tap capability, fingerprints only (no continuity or sampler points), so it
   records exactly the checkpoints the seed approach records; on a GPU its checkpoints are
   deferred (hashed in place at step end, one kernel);
-- ``tap-inline``: ``tap`` with its records written in the engine thread at step end (by
-  default a GPU run writes them on the sink's thread);
+- ``tap-inline``: ``tap`` with its records written at step end, after the transfer (by
+  default a GPU run writes a step's record at the next step's end, before its transfer,
+  while the device is still busy);
 - ``tap-gather``: the same with ``defer=False`` (one gather launch per checkpoint);
 - ``tap+points``: the tap as armed by default (KV/state continuity and sampler too);
 - ``seed-002``: per checkpoint copy the tapped rows, weighted int64 row sums, keep the
@@ -184,7 +185,7 @@ class TapVariant:
         self.arming = arm(config, HFHooks())
         self.arming.hooks.model_loaded(self.model)
         if self.inline:
-            self.recorder.sink.background = False
+            self.recorder.sink.deferred = False
 
     @property
     def recorder(self) -> Any:

@@ -46,7 +46,7 @@ class TapRecorder:
         self.context = context
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
-        self.sink = RecordSink(self.writer, background=torch.cuda.is_available())
+        self.sink = RecordSink(self.writer, deferred=torch.cuda.is_available())
         self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)
         self.filters = [options.request_filter, context.config.request_filter]
         self.prefixes = PrefixTracker()
@@ -316,10 +316,16 @@ class TapRecorder:
         host: list[tuple[list[str], torch.Tensor, int]] = []
         dropped: list[str] = []
         k = len(self.rows)
+        launched = []
         for device, entries in by_device.items():
             hashes, names, checks = self._device_hashes(device, entries, dropped)
             extra = [p.flatten() for d, p in self.sampler if d == device]
-            flat = torch.cat([hashes.flatten(), checks, *extra]).cpu()
+            launched.append((device, names, checks,
+                             torch.cat([hashes.flatten(), checks, *extra]), extra))
+        # The previous step's record is written now, while the device finishes this step.
+        self.sink.pump()
+        for device, names, checks, on_device, extra in launched:
+            flat = on_device.cpu()
             if checks.numel():
                 deferred = self._deferred[device]
                 assert deferred is not None

@@ -1,12 +1,20 @@
-"""Formatting and writing tap records off the engine's step path.
+"""Formatting and writing tap records where the engine's host thread would wait anyway.
 
-At step end the recorder only brings the hashes to the host (the step's one transfer);
-turning them into a JSON record and writing it happens on one background thread, in
-submission order, through the per-rank writer. That pays where the host would otherwise
-wait for the device (a GPU running the next step's kernels); on a CPU engine the thread
-would only contend for the GIL and the cores, so there records are written inline.
-:meth:`RecordSink.drain` waits for everything submitted (disarm, tests); at interpreter
-exit the sink drains itself.
+At step end the recorder brings the hashes to the host (the step's one transfer). Turning
+them into a JSON record and writing it costs about a millisecond and a half on a 289-
+checkpoint step. Where a GPU runs the model (``deferred=True``) that work is done in the
+engine thread at the *next* step's end, after that step's kernels are launched and before
+its transfer waits for them: the host is idle there, waiting for the device. (A background
+thread was tried first; it held the GIL against the engine thread's launches and added
+about 19 ms of host time to a 41 ms decode step, measured on the H200, BENCHMARKS.md.)
+
+A record nobody picks up (the engine went idle) is written by a fallback thread after
+:data:`IDLE_S`; at exit, disarm and :meth:`RecordSink.drain` everything pending is written.
+On a CPU engine there is no device to wait for: records are written at step end.
+
+Writing is serialized by a lock taken only without blocking (the engine thread never
+waits on it; it writes at the next step instead), so records stay in step order and a
+KeyboardInterrupt in the engine thread cannot leave a waiter behind.
 """
 
 from __future__ import annotations
@@ -23,51 +31,73 @@ from enginetap.core.jsonl import RankJsonl
 
 logger = logging.getLogger("enginetap.tap")
 
-__all__ = ["RecordSink"]
+__all__ = ["IDLE_S", "RecordSink"]
 
-Job = tuple[Callable[[], dict[str, Any]], int]
+Job = tuple[Callable[[], dict[str, Any]], int, float]
+
+IDLE_S = 0.5
+"""A pending record older than this (no next step came) is written by the fallback thread."""
+
+_POLL_S = 0.05
+"""How often the fallback thread looks for records nobody picked up."""
 
 
 class RecordSink:
-    """One background writer thread per recorder (started on first use).
+    """Records of one recorder, written in submission order."""
 
-    The engine thread shares no lock with it: records are handed over through a ``deque``
-    (atomic append and popleft) and the thread polls, so a KeyboardInterrupt raised in the
-    engine thread mid-hand-over cannot leave a lock held or a wake-up lost for the exit
-    drain (see :mod:`enginetap.capture.writer`, where that hang was seen)."""
-
-    def __init__(self, writer: RankJsonl, background: bool = True) -> None:
+    def __init__(self, writer: RankJsonl, deferred: bool = True) -> None:
         self.writer = writer
-        self.background = background
+        self.deferred = deferred
+        """Write at the next step's :meth:`pump` (GPU); False: at submission."""
         self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
         self._submitted = 0
         self._written = 0
         self._stop = False
         self._thread: threading.Thread | None = None
 
     def submit(self, make: Callable[[], dict[str, Any]], step: int) -> None:
-        """Write ``make()`` as the record of ``step`` (later, in submission order, when
-        ``background``)."""
-        if not self.background:
-            self.writer.write(make(), step=step)
+        """Write ``make()`` as the record of ``step`` (now, or at the next :meth:`pump`)."""
+        self._submitted += 1
+        self._jobs.append((make, step, time.monotonic()))
+        if not self.deferred:
+            self.drain()
             return
         if self._thread is None:
             self._stop = False
-            self._thread = threading.Thread(target=self._run, name="enginetap-tap-sink",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._idle_writer,
+                                            name="enginetap-tap-sink", daemon=True)
             self._thread.start()
             atexit.register(self.drain)
-        self._submitted += 1
-        self._jobs.append((make, step))
+
+    def pump(self) -> None:
+        """Write what is pending, unless another thread is writing (then: next time).
+        Called by the recorder while the device finishes a step."""
+        if self._jobs and self._lock.acquire(blocking=False):
+            try:
+                self._write_pending()
+            finally:
+                self._lock.release()
 
     def drain(self) -> None:
-        """Wait until every submitted record is written."""
-        while self._thread is not None and self._thread.is_alive() \
-                and self._written < self._submitted:
-            time.sleep(_POLL_S)
+        """Write everything submitted (waits for a write in progress on another thread)."""
+        while self._written < self._submitted:
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._write_pending()
+                finally:
+                    self._lock.release()
+            else:
+                time.sleep(0.002)
+
+    @property
+    def pending(self) -> int:
+        """Records submitted and not written yet."""
+        return self._submitted - self._written
 
     def close(self) -> None:
-        """Drain, stop the thread and close the file."""
+        """Write what is pending, stop the fallback thread and close the file."""
+        self.drain()
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop = True
@@ -75,15 +105,12 @@ class RecordSink:
             atexit.unregister(self.drain)
         self.writer.close()
 
-    def _run(self) -> None:
+    def _write_pending(self) -> None:
         while True:
             try:
-                make, step = self._jobs.popleft()
+                make, step, _ = self._jobs.popleft()
             except IndexError:
-                if self._stop:
-                    return
-                time.sleep(_POLL_S)
-                continue
+                return
             try:
                 self.writer.write(make(), step=step)
             except Exception:  # a record lost must not stop the ones after it
@@ -91,6 +118,12 @@ class RecordSink:
             finally:
                 self._written += 1
 
-
-_POLL_S = 0.002
-"""How often the idle writer thread, or a drain, looks again."""
+    def _idle_writer(self) -> None:
+        while not self._stop:
+            time.sleep(_POLL_S)
+            try:
+                oldest = self._jobs[0][2]
+            except IndexError:
+                continue
+            if time.monotonic() - oldest > IDLE_S:
+                self.pump()
