@@ -366,8 +366,11 @@ class TapRecorder:
                 continue
             order.append(slot if slot >= 0 else staged.shape[0] - 1 - slot)
             names.append(name)
-        merged = torch.cat([staged, later]).index_select(
-            0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
+        if not staged.shape[0] and len(order) == later.shape[0]:
+            merged = later  # all deferred, none dropped: already in checkpoint order
+        else:
+            merged = torch.cat([staged, later]).index_select(
+                0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
         checks = no_checks
         if deferred.checks:
             pairs = torch.tensor([(s, d) for _, s, d in deferred.checks], dtype=torch.int64)
