@@ -19,21 +19,6 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    # `make test` runs the suite on two pytest-xdist workers (--dist loadgroup): every test
-    # that starts a vLLM engine goes to one worker, in order, first (they are the long
-    # pole, and two vLLM engines at once would fight over the machine's memory and cores);
-    # the other worker takes everything else meanwhile.
-    def is_vllm(item) -> bool:
-        return item.get_closest_marker("vllm") is not None or "vllm_lock" in item.fixturenames
-
-    vllm = [item for item in items if is_vllm(item)]
-    for item in vllm:
-        item.add_marker(pytest.mark.xdist_group("vllm"))
-    rest = [item for item in items if not is_vllm(item)]
-    items[:] = vllm + rest
-
-
 @pytest.fixture(autouse=True)
 def _reset_enginetap_state():
     from enginetap import config
