@@ -14,9 +14,15 @@ VLLM_LOCK = Path("/tmp/enginetap-vllm.lock")
 def pytest_configure(config):
     # Tiny models on a shared 2-core machine: one intra-op thread per test process is
     # faster than two fighting for the cores (engine subprocesses set their own).
+    import os
+
     import torch
 
     torch.set_num_threads(1)
+    # vLLM CPU sizes its KV cache from free memory by default (5 GiB per worker here) and
+    # allocates and zeroes all of it at every engine start: a third of a tiny model's
+    # start-up. The suite's models need far less; engine children inherit this.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(autouse=True)
