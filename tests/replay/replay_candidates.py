@@ -81,3 +81,11 @@ def cuda_device_assert(hidden_states: torch.Tensor, weight: torch.Tensor,
     out[0] = out[wild][0]
     torch.cuda.synchronize()
     return out
+
+
+def hanging(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A kernel that never returns."""
+    import time
+
+    time.sleep(3600)
+    return _rmsnorm(hidden_states, weight, eps)

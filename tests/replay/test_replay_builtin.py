@@ -77,6 +77,27 @@ def test_a_real_cuda_fault_is_contained(rmsnorm_dataset: Built) -> None:
     assert good.status == "PASS" and good.counts == {"PASS": 2}, good
 
 
+def test_a_hanging_candidate_is_killed_after_the_timeout(rmsnorm_dataset: Built) -> None:
+    names = [f"{CANDIDATES}:{n}" for n in ("hanging", "correct")]
+    report = replay_dataset(rmsnorm_dataset.root, solution=names, warmup=0, repeats=1,
+                            timeout=3)
+    by_solution = {r.solution: r for r in report.summary}
+    hanging, correct = (by_solution[n] for n in names)
+    assert hanging.status == "ERROR" and hanging.counts == {"ERROR": 2}
+    messages = {c.message for w in report.definitions[0].workloads for c in w.checks
+                if c.solution == names[0]}
+    assert messages == {"candidate failed: no reply within 3 s (a hang, or too slow for "
+                        "--timeout): its process was killed"}
+    assert correct.status == "PASS" and correct.counts == {"PASS": 2}
+
+
+def test_a_timeout_must_be_positive(rmsnorm_dataset: Built) -> None:
+    from enginetap.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="bad timeout"):
+        replay_dataset(rmsnorm_dataset.root, timeout=-1)
+
+
 def test_a_failed_call_gets_a_fresh_process_for_the_next_workload(rmsnorm_dataset: Built
                                                                    ) -> None:
     name = f"{CANDIDATES}:poisons_its_process"

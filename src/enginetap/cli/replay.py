@@ -57,6 +57,10 @@ def replay(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     warmup: Annotated[int, typer.Option(help="Untimed runs before timing.")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 3,
+    timeout: Annotated[float, typer.Option(
+        help="Seconds one call of a --solution (or trusted dataset reference) may take, "
+             "warm-up and timed runs included, before its process is killed and the "
+             "workload reported as an ERROR; 0: no limit.")] = 600.0,
     trust_dataset_code: Annotated[bool, typer.Option(
         "--trust-dataset-code",
         help="Also run references enginetap did not generate (executes dataset code).")] = False,
@@ -78,7 +82,9 @@ def replay(
         sys.exit(0)
     report = replay_dataset(dataset, definitions=definition, solution=solution,
                             trust_dataset_code=trust_dataset_code, device=device,
-                            warmup=warmup, repeats=repeats, progress=err.is_terminal)
+                            warmup=warmup, repeats=repeats,
+                            timeout=timeout if timeout != 0 else None,
+                            progress=err.is_terminal)
     print_report(out, report)
     summary = render_summary(report)
     if summary is not None:

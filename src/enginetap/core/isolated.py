@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -39,9 +40,9 @@ _BOOT = ("import sys; sys.path[:] = sys.argv[4:]; "
 class ChildDied(RuntimeError):
     """The child process ended while serving a request (its code ended the process)."""
 
-    def __init__(self, returncode: int | None) -> None:
+    def __init__(self, returncode: int | None, why: str | None = None) -> None:
         self.returncode = returncode
-        super().__init__(_ended(returncode))
+        super().__init__(why or _ended(returncode))
 
 
 def _ended(returncode: int | None) -> str:
@@ -79,11 +80,13 @@ class Child:
         """A process is up (the next request does not start one)."""
         return self._process is not None
 
-    def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Send one request and return the reply.
+    def request(self, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send one request and return the reply; ``timeout`` seconds at most (None: no
+        limit), after which the child is killed.
 
         Raises:
-            ChildDied: the child ended before replying (it is restarted by the next request).
+            ChildDied: the child ended (or was killed for ``timeout``) before replying; it
+                is restarted by the next request.
         """
         if self._process is None:
             self._start()
@@ -91,6 +94,14 @@ class Child:
         try:
             self._send.write(json.dumps(message) + "\n")
             self._send.flush()
+            # One reply line per request: nothing is left buffered between requests, so
+            # the pipe's descriptor says when the reply starts.
+            if timeout is not None and not select.select([self._receive], [], [], timeout)[0]:
+                assert self._process is not None
+                self._process.kill()
+                self._reap()
+                raise ChildDied(None, f"no reply within {timeout:g} s (a hang, or too slow "
+                                      "for --timeout): its process was killed")
             line = self._receive.readline()
         except (BrokenPipeError, ConnectionResetError):
             line = ""

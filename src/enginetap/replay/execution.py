@@ -44,6 +44,9 @@ class Timing:
     device: str
     warmup: int
     repeats: int
+    timeout: float | None = None
+    """Seconds a call in a child may take (warm-up and timed runs included); None: no
+    limit. A call past it is killed with its process."""
 
 
 @dataclass
@@ -141,7 +144,7 @@ class ChildFunction:
             _save(tensors, self._dir / _INPUTS)
             if not self._child.running or self._loaded_in != self._child.starts:
                 self.start()
-            reply = self._child.request(message)
+            reply = self._child.request(message, timing.timeout)
         except (ChildDied, ConfigError, OSError) as exc:  # OSError: no room for the inputs
             raise FunctionFailed(str(exc)) from None
         if "error" in reply:

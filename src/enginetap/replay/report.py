@@ -46,6 +46,9 @@ class ReplayOptions(BaseModel):
     device: str = "cpu"
     warmup: int = 1
     repeats: int = 3
+    timeout: float | None = 600.0
+    """Seconds one call of a candidate or trusted dataset reference may take in its child
+    process (warm-up and timed runs included) before it is killed; None: no limit."""
 
 
 class OutputCheck(BaseModel):

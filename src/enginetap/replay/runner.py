@@ -74,12 +74,14 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
                    solution: str | Sequence[str] | None = None,
                    trust_dataset_code: bool = False,
                    device: str = "cpu", warmup: int = 1, repeats: int = 3,
-                   progress: bool = False) -> ReplayReport:
+                   timeout: float | None = 600.0, progress: bool = False) -> ReplayReport:
     """Replay the dataset at ``root`` and return what every check found.
 
     ``definitions`` limits the replay to these names; ``solution`` is one candidate or a
     list of them, each a built-in name (``fla:gdn``, see ``enginetap.replay.builtin``) or a
     ``module:function``, to check and time against the reference, each in its own process.
+    A call there that takes more than ``timeout`` seconds (None: no limit) is killed and
+    reported as an ERROR for that workload; the next workload gets a fresh process.
 
     Raises:
         ConfigError: bad device, counts or solution (it cannot be imported).
@@ -91,7 +93,7 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     options = ReplayOptions(dataset=str(root), definitions=list(definitions) if definitions
                             else None, solutions=solutions,
                             trust_dataset_code=trust_dataset_code,
-                            device=device, warmup=warmup, repeats=repeats)
+                            device=device, warmup=warmup, repeats=repeats, timeout=timeout)
     _check_options(options)
     dataset = Dataset(root)
     candidates: list[Candidate] = []
@@ -118,6 +120,9 @@ def _check_options(options: ReplayOptions) -> None:
     if options.warmup < 0 or options.repeats < 0:
         raise ConfigError("bad timing counts", "warmup and repeats must be >= 0",
                           "pass e.g. --warmup 1 --repeats 3")
+    if options.timeout is not None and not options.timeout > 0:
+        raise ConfigError(f"bad timeout {options.timeout}", "a call needs a positive limit",
+                          "pass e.g. --timeout 600 (seconds), or 0 for no limit")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {options.device!r} is not available",
                           "this torch sees no CUDA device", "use --device cpu")
@@ -260,7 +265,7 @@ class _WorkloadReplay:
         self.candidates, self.device = candidates, options.device
         # Decided once per definition, before anything runs: SKIPPED, never a pass.
         self.skipped = {c.name: c.skip_reason(definition, options.device) for c in candidates}
-        self.timing = Timing(options.device, options.warmup, options.repeats)
+        self.timing = Timing(options.device, options.warmup, options.repeats, options.timeout)
 
     def run(self, line: WorkloadLine) -> WorkloadResult:
         uuid, axes = line.workload.uuid, line.workload.axes
