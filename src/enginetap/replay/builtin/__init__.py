@@ -105,7 +105,9 @@ BUILTINS: tuple[BuiltinSolution, ...] = (
                   "mla_paged_decode": f"{_HERE}.flex:mla_paged_decode",
                   "dsa_sparse_mla": f"{_HERE}.flex:dsa_sparse_mla",
                   "sparse_mla_prefill_sink": f"{_HERE}.flex:sparse_mla_prefill_sink",
-                  "sparse_gqa_paged_decode": f"{_HERE}.flex:sparse_gqa_paged_decode"},
+                  "sparse_gqa_paged_decode": f"{_HERE}.flex:sparse_gqa_paged_decode",
+                  "mla_paged_prefill": f"{_HERE}.flex:mla_paged_prefill",
+                  "mla_decode_fp8_fp4_sink": f"{_HERE}.flex:mla_decode_fp8_fp4_sink"},
         summary="torch flex_attention with a block mask (document, page and sparse-index "
                 "masks), one call per workload; its lse natively (compiled on cuda)"),
 )

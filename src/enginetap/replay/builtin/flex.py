@@ -8,6 +8,11 @@ says which key each row may read:
   end of their keys), ``enable_gqa`` for the head groups.
 - paged decode (``gqa_paged_decode``, ``mla_paged_decode``): the whole cache flattened to
   slots is the key sequence; request ``b`` reads the slots of its pages.
+- paged MLA prefill (``mla_paged_prefill``): query ``i`` of request ``b``'s ``n`` reads the
+  slots of its first ``L - n + i + 1`` tokens.
+- quantized MLA decode (``mla_decode_fp8_fp4_sink``): both caches dequantized to float32
+  (e4m3 codes times their tile scales; e2m1 nibbles times ``2 ** (E8M0 - 127)``), their
+  slots one key sequence (FP8 slots first), each row reading its two index lists.
 - sparse (``dsa_sparse_mla``, ``sparse_mla_prefill_sink``, ``sparse_gqa_paged_decode``): a
   row reads the slots its index list names (``-1`` and, with ``topk_lens``, entries past the
   row's length excluded; for the GQA decode, the tokens of its selected blocks before
@@ -16,8 +21,9 @@ says which key each row may read:
 MLA attends keys ``[ckv, kpe]`` with values ``ckv``, every head the same tokens: the
 ``(token, head)`` pairs are the rows of one head. flex returns the natural-log log-sum-exp of
 the attended logits (``-inf`` and a zero output for a row that reads nothing), divided by
-``ln 2`` for the definitions' base 2. The sink of ``sparse_mla_prefill_sink`` adds
-``exp(sink)`` to the denominator only: ``output * 1 / (1 + exp(sink - lse))``.
+``ln 2`` for the definitions' base 2. The sink of ``sparse_mla_prefill_sink`` and
+``mla_decode_fp8_fp4_sink`` adds ``exp(sink)`` to the denominator only:
+``output * 1 / (1 + exp(sink - lse))``.
 
 On CUDA flex_attention is compiled (``torch.compile``, its fused Triton kernel); on the CPU
 it runs eagerly (unfused, correct, slow), so CPU timings say nothing about the kernel.
@@ -37,7 +43,8 @@ if TYPE_CHECKING:
 
     from enginetap.dataset.schema import Definition
 
-__all__ = ["dsa_sparse_mla", "gqa_paged_decode", "gqa_ragged_prefill", "mla_paged_decode",
+__all__ = ["dsa_sparse_mla", "gqa_paged_decode", "gqa_ragged_prefill",
+           "mla_decode_fp8_fp4_sink", "mla_paged_decode", "mla_paged_prefill",
            "sparse_gqa_paged_decode", "sparse_mla_prefill_sink"]
 
 
@@ -189,5 +196,75 @@ def sparse_gqa_paged_decode(definition: Definition) -> Callable[..., Any]:
         allowed = sparse_mask(slot, valid, k_flat.shape[0]).transpose(0, 1)  # [kv, B, slots]
         return _attend(q.transpose(0, 1), k_flat.transpose(0, 1), v_flat.transpose(0, 1),
                        allowed, float(sm_scale), heads=True)
+
+    return run
+
+
+def mla_paged_prefill(definition: Definition) -> Callable[..., Any]:
+    """``run(q_nope, q_pe, ckv_cache, kpe_cache, qo_indptr, kv_indptr, kv_indices,
+    kv_last_page_len, sm_scale)``."""
+    page_size = definition.const_axes["page_size"]
+
+    def run(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+            kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        from enginetap.replay.builtin.pages import request_slots
+
+        slots = ckv_cache.shape[0] * ckv_cache.shape[1]
+        allowed = torch.zeros(q_nope.shape[0], slots, dtype=torch.bool, device=q_nope.device)
+        qo = qo_indptr.tolist()
+        for b, own in enumerate(request_slots(kv_indptr, kv_indices, kv_last_page_len,
+                                              page_size)):
+            n = qo[b + 1] - qo[b]
+            for i in range(n):  # causal: the i-th new token sees the prefix and itself
+                allowed[qo[b] + i, own[: own.numel() - n + i + 1]] = True
+        return _latent(q_nope, q_pe, ckv_cache, kpe_cache, allowed, float(sm_scale))
+
+    return run
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes, two per byte (low nibble first), times ``2 ** (E8M0 - 127)`` per 32."""
+    import torch
+
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
+    byte = packed.to(torch.int32) & 0xFF
+    values = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1).flatten(-2)
+    exponent = (scale.to(torch.int32) & 0xFF).to(torch.float32)
+    factor = torch.where(exponent == 255, torch.full_like(exponent, float("nan")),
+                         torch.exp2(exponent - 127.0))
+    return values * factor.repeat_interleave(32, dim=-1)
+
+
+def mla_decode_fp8_fp4_sink(definition: Definition) -> Callable[..., Any]:
+    """``run(q_nope, q_pe, ckv8_cache, ckv8_scale, kpe8_cache, ckv4_cache, ckv4_scale,
+    kpe4_cache, indices8, indices4, attn_sink, sm_scale)``; float32 throughout, bf16 out."""
+    consts = definition.const_axes
+    tile = consts["ckv_dim"] // consts["ckv_tiles"]
+
+    def run(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv8_cache: torch.Tensor,
+            ckv8_scale: torch.Tensor, kpe8_cache: torch.Tensor, ckv4_cache: torch.Tensor,
+            ckv4_scale: torch.Tensor, kpe4_cache: torch.Tensor, indices8: torch.Tensor,
+            indices4: torch.Tensor, attn_sink: torch.Tensor,
+            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        latent8 = ckv8_cache.float() * ckv8_scale.float().repeat_interleave(tile, dim=-1)
+        latent4 = _dequant_fp4(ckv4_cache, ckv4_scale)
+        ckv = torch.cat([latent8.flatten(0, 1), latent4.flatten(0, 1)])[:, None]
+        kpe = torch.cat([kpe8_cache.flatten(0, 1), kpe4_cache.flatten(0, 1)]).float()[:, None]
+        first4 = latent8.shape[0] * latent8.shape[1]  # FP4 slots follow the FP8 ones
+        index = torch.cat([indices8.long(), torch.where(indices4 >= 0, indices4.long() + first4,
+                                                        -1)], dim=1)
+        allowed = sparse_mask(index, index >= 0, ckv.shape[0])
+        out, lse = _latent(q_nope.float(), q_pe.float(), ckv, kpe, allowed, float(sm_scale))
+        share = torch.sigmoid(lse * LOG2 - attn_sink.float()[None, :])
+        return (out * share[..., None]).to(torch.bfloat16), lse
 
     return run
