@@ -1,7 +1,8 @@
 """Capture from vLLM CPU (TP=1) for llama, qwen3_next and deepseek_v3, then replay every
 captured workload against its definition's reference: each must PASS within the
 definition's tolerance (exact for expert ids). Armed and disarmed runs sample the same
-greedy tokens. One armed and one disarmed vLLM run per model, shared by the tests.
+greedy tokens. One armed and one disarmed vLLM run per model, shared by the tests (run two
+at a time, ``vllm_harness.side_by_side``).
 
 The CPU decides vLLM's kernels (AMX on Intel, AVX-512/AVX2 elsewhere): the AMX-less path is
 also run for deepseek_v3 (it switches MLA to ``CPUMLAImpl``, MoE to the ``vec`` packing), by
@@ -11,11 +12,14 @@ hiding AMX from vLLM on a machine that has it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines" / "vllm"))
+from vllm_harness import side_by_side  # noqa: E402
 from vllm_capture_checks import (  # noqa: E402
     CaptureRun,
     const_axes,
@@ -53,12 +57,20 @@ def runs(model_dir, tmp_path_factory: pytest.TempPathFactory):
     """``runs(model, armed=True, hide_amx=False)``: one vLLM run per distinct request."""
     done: dict[tuple, CaptureRun] = {}
 
+    def job(key: tuple) -> Callable[[], CaptureRun]:
+        model, armed, hide_amx = key
+        out = tmp_path_factory.mktemp(f"{model}-{'armed' if armed else 'plain'}"
+                                      f"{'-noamx' if hide_amx else ''}")
+        folder = model_dir(model)  # built here, not by two threads at once
+        return lambda: run_capture(folder, out, armed=armed, hide_amx=hide_amx)
+
     def get(model: str, armed: bool = True, hide_amx: bool = False) -> CaptureRun:
         key = (model, armed, hide_amx)
+        if not done:  # the runs every model's tests need, two engines at a time
+            keys = [(m, a, False) for m in MODELS for a in (True, False)]
+            done.update(zip(keys, side_by_side([job(k) for k in keys])))
         if key not in done:
-            out = tmp_path_factory.mktemp(f"{model}-{'armed' if armed else 'plain'}"
-                                          f"{'-noamx' if hide_amx else ''}")
-            done[key] = run_capture(model_dir(model), out, armed=armed, hide_amx=hide_amx)
+            done[key] = job(key)()
         return done[key]
 
     return get

@@ -32,16 +32,31 @@ def _runnable() -> list[str]:
     return ["avx2"] + ["avx512"] * torch.cpu._is_avx512_bf16_supported()
 
 
-@pytest.mark.skipif(CPU_PATH_VAR in os.environ, reason="already emulating a CPU path")
-@pytest.mark.parametrize("path", _runnable())
-def test_vllm_comparisons_hold_on_every_cpu_path(path: str) -> None:
-    pytest.importorskip("vllm._custom_ops", reason="vLLM CPU ops are not installed")
+def _run_path(path: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, CPU_PATH_VAR: path, "ATEN_CPU_CAPABILITY": path}
-    run = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "pytest", str(HERE), "-q", "-k", "vllm", "-p",
          "no:cacheprovider", "--deselect",
          f"{HERE / Path(__file__).name}::test_vllm_comparisons_hold_on_every_cpu_path"],
         env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def path_runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every runnable path's child run, side by side (each is one single-threaded pytest)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("vllm._custom_ops", reason="vLLM CPU ops are not installed")
+    paths = _runnable()
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(paths, pool.map(_run_path, paths)))
+
+
+@pytest.mark.skipif(CPU_PATH_VAR in os.environ, reason="already emulating a CPU path")
+@pytest.mark.parametrize("path", _runnable())
+def test_vllm_comparisons_hold_on_every_cpu_path(path: str, path_runs) -> None:
+    pytest.importorskip("vllm._custom_ops", reason="vLLM CPU ops are not installed")
+    run = path_runs[path]
     tail = (run.stdout + run.stderr)[-4000:]
     assert run.returncode == 0, tail
     assert " passed" in tail and " failed" not in tail, tail

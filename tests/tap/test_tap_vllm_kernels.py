@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     sys.path.insert(0, str(VLLM_TESTS))
-    from vllm_harness import child_env, run_script
+    from vllm_harness import child_env, run_script, side_by_side
 
     from enginetap.models import build_model
 
@@ -48,16 +48,26 @@ def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     config = {"enabled": True, "capabilities": ["tap"], "out_dir": str(out / "tp1"),
               "options": {"tap": {"max_rows": 256}}}
     (out / "arming.json").write_text(json.dumps(config))
-    run_script([str(HERE / "vllm_tap_run.py"), model, str(out / "tp1.json"), "--faults"],
-               child_env({"ENGINETAP_CONFIG": str(out / "arming.json")}), out / "tp1.log")
-    run_script([str(HERE / "vllm_tap_run.py"), model, str(out / "compiled.json"), "--compiled"],
-               child_env({"ENGINETAP": "1", "ENGINETAP_CAPABILITIES": "tap",
-                          "ENGINETAP_OUT": str(out / "compiled")}), out / "compiled.log")
-    for tp in (1, 2):
-        run_script(["-m", "enginetap.cli.main", "tap", "run", "--engine", "vllm", "--model",
-                    model, "--prompts", "builtin:pairs", "--max-new-tokens", "4", "--tp",
-                    str(tp), "--out", str(out / f"cli{tp}")], child_env(),
-                   out / f"cli{tp}.log")
+
+    def cli(tp: int) -> str:
+        return run_script(["-m", "enginetap.cli.main", "tap", "run", "--engine", "vllm",
+                           "--model", model, "--prompts", "builtin:pairs", "--max-new-tokens",
+                           "4", "--tp", str(tp), "--out", str(out / f"cli{tp}")], child_env(),
+                          out / f"cli{tp}.log")
+
+    # the three TP=1 runs two at a time, then the TP=2 run alone
+    side_by_side([
+        lambda: run_script([str(HERE / "vllm_tap_run.py"), model, str(out / "tp1.json"),
+                            "--faults"],
+                           child_env({"ENGINETAP_CONFIG": str(out / "arming.json")}),
+                           out / "tp1.log"),
+        lambda: run_script([str(HERE / "vllm_tap_run.py"), model, str(out / "compiled.json"),
+                            "--compiled"],
+                           child_env({"ENGINETAP": "1", "ENGINETAP_CAPABILITIES": "tap",
+                                      "ENGINETAP_OUT": str(out / "compiled")}),
+                           out / "compiled.log"),
+        lambda: cli(1)])
+    cli(2)
     return {"root": out, "tp1": out / "tp1", "cli1": out / "cli1", "cli2": out / "cli2",
             "compiled": out / "compiled"}
 

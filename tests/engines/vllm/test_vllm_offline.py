@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from step_checks import Request, check_steps, read_steps
-from vllm_harness import OFFLINE, child_env, run_script
+from vllm_harness import OFFLINE, child_env, run_script, side_by_side
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,13 +35,17 @@ def _run(model_dir: Path, out: Path, guard_patches: list[str]) -> tuple[dict, st
 
 @pytest.fixture(scope="module")
 def armed_runs(tiny_model, tmp_path_factory: pytest.TempPathFactory):
-    """``armed_runs(model)`` → (output dir, report, log text); each model runs once."""
+    """``armed_runs(model)`` → (output dir, report, log text); every model runs once, two
+    engines at a time, when the first is asked for."""
     runs: dict[str, tuple[Path, dict, str]] = {}
 
+    def job(model: str):
+        out, folder = tmp_path_factory.mktemp(f"armed-{model}"), tiny_model(model)
+        return lambda: (out, *_run(folder, out, [PROBE]))
+
     def get(model: str) -> tuple[Path, dict, str]:
-        if model not in runs:
-            out = tmp_path_factory.mktemp(f"armed-{model}")
-            runs[model] = (out, *_run(tiny_model(model), out, [PROBE]))
+        if not runs:
+            runs.update(zip(MODELS, side_by_side([job(m) for m in MODELS])))
         return runs[model]
 
     return get

@@ -1,7 +1,8 @@
 """vLLM's OpenAI server (``VLLMServer``) armed through the plugin; requests over HTTP.
 
 Two concurrent completions, the first prompt again (a prefix-cache hit where the engine
-caches prefixes), then again after ``reset_prefix_cache`` (computed from position 0).
+caches prefixes), then again after ``reset_prefix_cache`` (computed from position 0). One
+server per model, two servers at a time.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from step_checks import Request, check_steps, read_steps
-from vllm_harness import child_env
+from vllm_harness import child_env, side_by_side
 
 from enginetap.config import ArmConfig
-from enginetap.engines.vllm.server import VLLMServer
+from enginetap.engines.vllm.server import VLLMServer, free_port
 from enginetap.errors import EnginetapError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -34,23 +35,46 @@ def _complete(server: VLLMServer, prompt: list[int], max_tokens: int) -> dict:
     return server.complete(prompt, max_tokens, return_token_ids=True, ignore_eos=True)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_next", "deepseek_v3"])
-def test_served_steps_match_the_requests(tiny_model, tmp_path: Path, model: str):
+MODELS = ["llama", "qwen3_next", "deepseek_v3"]
+
+
+def _serve(model_dir: Path, out: Path, port: int) -> dict[str, dict]:
+    """One armed server session: the four completions, by name."""
     a, b = _prompt(200, 1), _prompt(45, 2)
-    arm = ArmConfig(enabled=True, out_dir=tmp_path)
-    with VLLMServer(tiny_model(model), args=ARGS, arm=arm, env=child_env(),
-                    log_path=tmp_path / "server.log") as server:
+    arm = ArmConfig(enabled=True, out_dir=out)
+    with VLLMServer(model_dir, args=ARGS, arm=arm, env=child_env(), port=port,
+                    log_path=out / "server.log") as server:
         with ThreadPoolExecutor(2) as pool:
             first = list(pool.map(lambda job: _complete(server, *job), [(a, 6), (b, 8)]))
         again = _complete(server, a, 3)
         server.reset_prefix_cache()
         reset = _complete(server, a, 3)
-    replies = {"a": first[0], "b": first[1], "again": again, "reset": reset}
+    return {"a": first[0], "b": first[1], "again": again, "reset": reset}
+
+
+@pytest.fixture(scope="module")
+def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[Path, dict[str, dict]]]:
+    """Every model's server session, two servers at a time (distinct ports chosen first)."""
+    ports: list[int] = []
+    while len(ports) < len(MODELS):
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    jobs = []
+    for model, port in zip(MODELS, ports):
+        out, folder = tmp_path_factory.mktemp(f"serve-{model}"), tiny_model(model)
+        jobs.append(lambda out=out, folder=folder, port=port: (out, _serve(folder, out, port)))
+    return dict(zip(MODELS, side_by_side(jobs)))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_served_steps_match_the_requests(sessions, model: str):
+    out, replies = sessions[model]
     names = {reply["id"]: name for name, reply in replies.items()}
     requests = {name: Request(r["choices"][0]["prompt_token_ids"], r["choices"][0]["token_ids"])
                 for name, r in replies.items()}
     # The server names a request "<completion id>-<choice>-<8 hex>".
-    seen = check_steps(read_steps(tmp_path / "steps-rank0.jsonl"), requests,
+    seen = check_steps(read_steps(out / "steps-rank0.jsonl"), requests,
                        lambda rid: names[rid.rsplit("-", 2)[0]])
     assert {"prefill", "decode"} <= seen.modes
     assert set(seen.first_position) == set(requests)
