@@ -42,9 +42,27 @@ def _demo(model: Path, out: Path, *args: str, env: dict[str, str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def in_process(vllm_lock, model_dir, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("guard-vllm") / "in-process.json"
-    return _demo(model_dir, out, env=_env())
+def demos(vllm_lock, model_dir, tmp_path_factory) -> dict:
+    """The in-process demo and the plugin-armed demo, side by side (two engines at a
+    time): ``{"in_process": result, "plugin": (result, its out dir)}``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path_factory.mktemp("guard-vllm")
+    plugin = tmp_path_factory.mktemp("guard-plugin")
+    arm = ArmConfig(enabled=True, capabilities=["guard"], out_dir=plugin / "out", options={
+        "guard": {"patches": ["enginetap.guard.examples.vllm_rmsnorm:install"]}})
+    (plugin / "arming.json").write_text(arm.model_dump_json())
+    with ThreadPoolExecutor(2) as pool:
+        local = pool.submit(_demo, model_dir, out / "in-process.json", env=_env())
+        armed = pool.submit(_demo, model_dir, plugin / "plugin.json", "--plugin",
+                            env=_env(ENGINETAP="1",
+                                     ENGINETAP_CONFIG=str(plugin / "arming.json")))
+    return {"in_process": local.result(), "plugin": (armed.result(), plugin)}
+
+
+@pytest.fixture(scope="module")
+def in_process(demos) -> dict:
+    return demos["in_process"]
 
 
 def test_shipped_lock_matches_the_installed_vllm():
@@ -66,13 +84,8 @@ def test_in_process_engine_is_proven_per_shape_and_tokens_do_not_change(in_proce
     assert any("elements differ" in d["reason"] for d in decisions if not d["patched"])
 
 
-def test_plugin_arms_the_worker_from_the_config(vllm_lock, in_process, model_dir, tmp_path):
-    arm = ArmConfig(enabled=True, capabilities=["guard"], out_dir=tmp_path / "out", options={
-        "guard": {"patches": ["enginetap.guard.examples.vllm_rmsnorm:install"]}})
-    config = tmp_path / "arming.json"
-    config.write_text(arm.model_dump_json())
-    result = _demo(model_dir, tmp_path / "plugin.json", "--plugin",
-                   env=_env(ENGINETAP="1", ENGINETAP_CONFIG=str(config)))
+def test_plugin_arms_the_worker_from_the_config(demos, in_process):
+    result, tmp_path = demos["plugin"]
     # vLLM's own processes, armed by the plugin: same greedy tokens as the stock engine.
     assert result["armed"] == in_process["disarmed"]
     events = [json.loads(line) for line in

@@ -80,13 +80,13 @@ def test_a_real_cuda_fault_is_contained(rmsnorm_dataset: Built) -> None:
 def test_a_hanging_candidate_is_killed_after_the_timeout(rmsnorm_dataset: Built) -> None:
     names = [f"{CANDIDATES}:{n}" for n in ("hanging", "correct")]
     report = replay_dataset(rmsnorm_dataset.root, solution=names, warmup=0, repeats=1,
-                            timeout=3)
+                            timeout=2)
     by_solution = {r.solution: r for r in report.summary}
     hanging, correct = (by_solution[n] for n in names)
     assert hanging.status == "ERROR" and hanging.counts == {"ERROR": 2}
     messages = {c.message for w in report.definitions[0].workloads for c in w.checks
                 if c.solution == names[0]}
-    assert messages == {"candidate failed: no reply within 3 s (a hang, or too slow for "
+    assert messages == {"candidate failed: no reply within 2 s (a hang, or too slow for "
                         "--timeout): its process was killed"}
     assert correct.status == "PASS" and correct.counts == {"PASS": 2}
 

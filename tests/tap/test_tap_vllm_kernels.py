@@ -1,8 +1,9 @@
 """Tap on vLLM CPU at kernel level (tiny qwen3_next: gated delta rule, full attention, MoE).
 
-Four engine runs: TP=1 with faults injected by test code (``vllm_tap_run.py``, see its
-docstring for the phases), the same without faults with vLLM compiling the model, then
-``enginetap tap run --engine vllm`` at TP=1 and TP=2 on the built-in prompt pairs. The
+Five engine runs: TP=1 with faults injected by test code (``vllm_tap_run.py``, see its
+docstring for the phases), the same without faults with vLLM compiling the model,
+``enginetap tap run --engine vllm`` at TP=1 and TP=2 on the built-in prompt pairs, and the
+tiny Llama's offline run armed by ``ENGINETAP_CAPABILITIES=tap`` alone. The
 checks: the KV row written this step, the
 gated-delta/convolution state around it and the sampler are recorded and continuous; a
 corrupted row is named by the pair analysis at the layer and sublayer it was corrupted;
@@ -38,12 +39,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     sys.path.insert(0, str(VLLM_TESTS))
-    from vllm_harness import child_env, run_script, side_by_side
+    from vllm_harness import OFFLINE, child_env, run_script, side_by_side
 
     from enginetap.models import build_model
 
     out = tmp_path_factory.mktemp("tap-vllm")
-    model = str(build_model("qwen3_next"))
+    model, llama = str(build_model("qwen3_next")), str(build_model("llama"))
     # every row of the prefill step is tapped (143 rows), not only the last 64
     config = {"enabled": True, "capabilities": ["tap"], "out_dir": str(out / "tp1"),
               "options": {"tap": {"max_rows": 256}}}
@@ -55,7 +56,7 @@ def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                            "4", "--tp", str(tp), "--out", str(out / f"cli{tp}")], child_env(),
                           out / f"cli{tp}.log")
 
-    # the three TP=1 runs two at a time, then the TP=2 run alone
+    # the four TP=1 runs two at a time, then the TP=2 run alone
     side_by_side([
         lambda: run_script([str(HERE / "vllm_tap_run.py"), model, str(out / "tp1.json"),
                             "--faults"],
@@ -66,10 +67,14 @@ def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                            child_env({"ENGINETAP": "1", "ENGINETAP_CAPABILITIES": "tap",
                                       "ENGINETAP_OUT": str(out / "compiled")}),
                            out / "compiled.log"),
-        lambda: cli(1)])
+        lambda: cli(1),
+        lambda: run_script([str(OFFLINE), llama, str(out / "offline.json")],
+                           child_env({"ENGINETAP": "1", "ENGINETAP_CAPABILITIES": "tap",
+                                      "ENGINETAP_OUT": str(out / "offline")}),
+                           out / "offline.log")])
     cli(2)
     return {"root": out, "tp1": out / "tp1", "cli1": out / "cli1", "cli2": out / "cli2",
-            "compiled": out / "compiled"}
+            "compiled": out / "compiled", "offline": out / "offline"}
 
 
 def _report(runs: dict[str, Path], tp: int) -> dict:
@@ -176,3 +181,31 @@ def test_a_compiled_engine_is_said_and_its_kernel_points_still_recorded(runs) ->
     assert check_continuity(rank) == [] and check_metadata(rank) == []
     pairs = {p.keys: p for p in find_pairs(rank)}
     assert not any(pairs[k].split for k in (("s0", "s1"), ("s0", "s3"), ("s1", "s3")))
+
+
+def test_tap_records_inside_a_vllm_worker(runs) -> None:
+    # the tiny Llama's offline run (chunked prefill, a request arriving mid-way, a repeated
+    # prompt) armed by the capability alone: vLLM's sublayers under the built-in engine's
+    # short names, and the analyses read the file
+    from enginetap.tap.diff import diff_runs
+    from enginetap.tap.report import analyse, summary
+
+    log = (runs["root"] / "offline.log").read_text()
+    assert "tap (up to 64 rows per step" in log
+    report = json.loads((runs["root"] / "offline.json").read_text())
+    run = load_run(runs["offline"])
+    rank = run.rank(0)
+    assert run.header["world_size"] == 1 and rank.steps
+    names = rank.steps[0].checkpoints
+    # the kernel layer inside self_attn is named apart from it (no "#2" duplicates)
+    assert {"L0.in", "L0.attn.core.out", "L0.attn.out", "L0.mlp.out", "L1.out"} <= set(names)
+    assert not [n for n in names if "#" in n]
+    assert names.index("L0.in") < names.index("L0.attn.core.out") < names.index("L0.attn.out") \
+        < names.index("L1.in")
+    keys = {row["key"] for step in rank.steps for row in step.rows}
+    assert set(report["requests"]) <= keys
+    assert {s.mode for s in rank.steps} == {"prefill", "decode", "mixed"}
+    assert check_continuity(rank) == []
+    (self_diff,) = diff_runs(run, run)
+    assert self_diff.rows_compared > 0 and not self_diff.diverged
+    assert summary(analyse(run))[1].startswith("rank 0:")

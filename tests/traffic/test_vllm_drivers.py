@@ -57,7 +57,7 @@ def llama(vllm_lock: None) -> Path:
     return build_model("llama")
 
 
-def test_in_process_llm_driver(llama: Path, tmp_path: Path) -> None:
+def _in_process(llama: Path, tmp_path: Path) -> RunReport:
     profile_path = save_profile(PROFILE, tmp_path / "profile.json")
     env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
     with (tmp_path / "run.log").open("wb") as log:
@@ -65,12 +65,10 @@ def test_in_process_llm_driver(llama: Path, tmp_path: Path) -> None:
                                str(profile_path), str(tmp_path / "report.json")], env=env,
                               stdout=log, stderr=subprocess.STDOUT, timeout=400, check=False)
     assert proc.returncode == 0, (tmp_path / "run.log").read_text(errors="replace")[-4000:]
-    report = RunReport.model_validate_json((tmp_path / "report.json").read_text())
-    assert report.prompts["token_source"] == "tokenizer"
-    _check(report)
+    return RunReport.model_validate_json((tmp_path / "report.json").read_text())
 
 
-def test_http_driver_against_vllm_serve(llama: Path, tmp_path: Path) -> None:
+def _over_http(llama: Path, tmp_path: Path) -> tuple[RunReport, int]:
     from transformers import AutoTokenizer
 
     from enginetap.engines.vllm.server import VLLMServer
@@ -80,7 +78,28 @@ def test_http_driver_against_vllm_serve(llama: Path, tmp_path: Path) -> None:
             "--seed", "0", "--enable-prompt-tokens-details"]
     with VLLMServer(llama, args=args, log_path=tmp_path / "server.log") as server:
         driver = HTTPDriver.for_server(server, tokenizer=AutoTokenizer.from_pretrained(llama))
-        assert driver.max_context == 512  # asked from /v1/models
-        report = run_profile(PROFILE, driver, progress=False)
+        return run_profile(PROFILE, driver, progress=False), driver.max_context
+
+
+@pytest.fixture(scope="module")
+def reports(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both drivers' runs, side by side (two engines at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        local = pool.submit(_in_process, llama, tmp_path_factory.mktemp("llm"))
+        http = pool.submit(_over_http, llama, tmp_path_factory.mktemp("http"))
+    return {"llm": local.result(), "http": http.result()}
+
+
+def test_in_process_llm_driver(reports: dict) -> None:
+    report = reports["llm"]
+    assert report.prompts["token_source"] == "tokenizer"
+    _check(report)
+
+
+def test_http_driver_against_vllm_serve(reports: dict) -> None:
+    report, max_context = reports["http"]
+    assert max_context == 512  # asked from /v1/models
     assert report.receipts[0].driver == "vllm-http"
     _check(report)

@@ -1,7 +1,8 @@
 """In-process ``vllm.LLM`` (V1 runner, CPU), armed through the plugin by the environment.
 
 One armed run per model (``offline_run.py``: chunked prefill, a request arriving mid-way,
-a repeated prompt); the recorded steps are checked row by row against the requests.
+a repeated prompt); the recorded steps are checked row by row against the requests. With
+a disarmed run and a run whose step reader breaks, five engine runs, two at a time.
 """
 
 from __future__ import annotations
@@ -43,9 +44,22 @@ def armed_runs(tiny_model, tmp_path_factory: pytest.TempPathFactory):
         out, folder = tmp_path_factory.mktemp(f"armed-{model}"), tiny_model(model)
         return lambda: (out, *_run(folder, out, [PROBE]))
 
+    def disarmed():
+        out, folder = tmp_path_factory.mktemp("disarmed-llama"), tiny_model("llama")
+        return lambda: (out, {}, run_script([str(OFFLINE), str(folder),
+                                             str(out / "report.json")],
+                                            child_env({"ENGINETAP_OUT": str(out)}),
+                                            out / "run.log"))
+
+    def breaking():
+        out, folder = tmp_path_factory.mktemp("breaking-llama"), tiny_model("llama")
+        return lambda: (out, *_run(folder, out, ["probe_patches:break_step_reading"]))
+
     def get(model: str) -> tuple[Path, dict, str]:
-        if not runs:
-            runs.update(zip(MODELS, side_by_side([job(m) for m in MODELS])))
+        if not runs:  # every run of this module, two engines at a time
+            names = [*MODELS, "disarmed", "breaking"]
+            runs.update(zip(names, side_by_side([*(job(m) for m in MODELS), disarmed(),
+                                                 breaking()])))
         return runs[model]
 
     return get
@@ -88,23 +102,20 @@ def test_kernels_see_the_current_step_and_dummy_runs_do_not(armed_runs):
     assert outside[-1] > outside[0]
 
 
-def test_armed_and_disarmed_give_identical_tokens_and_logprobs(armed_runs, tiny_model,
-                                                               tmp_path: Path):
+def test_armed_and_disarmed_give_identical_tokens_and_logprobs(armed_runs):
     _, armed, _ = armed_runs("llama")
-    log = run_script([str(OFFLINE), str(tiny_model("llama")), str(tmp_path / "report.json")],
-                     child_env({"ENGINETAP_OUT": str(tmp_path)}), tmp_path / "run.log")
-    disarmed = json.loads((tmp_path / "report.json").read_text())
+    out, _, log = armed_runs("disarmed")
+    disarmed = json.loads((out / "report.json").read_text())
     assert "enginetap armed" not in log
-    assert not list(tmp_path.glob("steps-rank*.jsonl"))
+    assert not list(out.glob("steps-rank*.jsonl"))
     assert disarmed["requests"] == armed["requests"]
     assert all(r["logprobs"] for r in armed["requests"].values())
 
 
-def test_a_failing_step_reader_disarms_and_vllm_goes_on(armed_runs, tiny_model,
-                                                        tmp_path: Path):
+def test_a_failing_step_reader_disarms_and_vllm_goes_on(armed_runs):
     _, armed, _ = armed_runs("llama")
-    report, log = _run(tiny_model("llama"), tmp_path, ["probe_patches:break_step_reading"])
+    out, report, log = armed_runs("breaking")
     assert "reading vLLM's step failed; the step context disarms" in log
     assert log.count("enginetap: disarmed in vLLM worker") == 1
-    assert not list(tmp_path.glob("steps-rank*.jsonl"))
+    assert not list(out.glob("steps-rank*.jsonl"))
     assert report["requests"] == armed["requests"]

@@ -37,32 +37,53 @@ def _load(env: dict[str, str], *args: str) -> tuple[list[str], str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], str, Path]]:
+    """The plugin tests' child interpreters, two at a time (each is mostly vLLM's import)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = {name: tmp_path_factory.mktemp(f"plugin-{name}")
+           for name in ("disarmed", "armed", "armed-runner", "missing")}
+    jobs = {
+        "disarmed": ({}, ("import-runner",)),
+        "armed": ({"ENGINETAP": "1", "ENGINETAP_OUT": str(out["armed"])}, ()),
+        "armed-runner": ({"ENGINETAP": "1", "ENGINETAP_OUT": str(out["armed-runner"])},
+                         ("import-runner",)),
+        "missing": ({"ENGINETAP_CONFIG": str(out["missing"] / "missing.json")},
+                    ("import-runner",)),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(_load, env, *args) for name, (env, args) in jobs.items()}
+    return {name: (*future.result(), out[name]) for name, future in futures.items()}
+
+
 def test_entry_point_is_declared():
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert names["enginetap"] == "enginetap.engines.vllm.plugin:register"
 
 
 @pytest.mark.slow
-def test_disarmed_plugin_loads_nothing_and_patches_nothing():
-    loaded, _ = _load({}, "import-runner")
+def test_disarmed_plugin_loads_nothing_and_patches_nothing(loads):
+    loaded, _, _ = loads["disarmed"]
     assert loaded[-1] == "function"  # the runner's __init__ is vLLM's own
     assert not {m for m in loaded if m.startswith("enginetap.core")}
     assert "enginetap.engines.vllm.worker" not in loaded
 
 
 @pytest.mark.slow
-def test_armed_plugin_waits_for_a_model_runner(tmp_path: Path):
-    loaded, _ = _load({"ENGINETAP": "1", "ENGINETAP_OUT": str(tmp_path)})
+def test_armed_plugin_waits_for_a_model_runner(loads):
+    loaded, _, _ = loads["armed"]
     assert "enginetap.engines.vllm.worker" in loaded
     assert "vllm.v1.worker.gpu_model_runner" not in loaded  # nothing heavy imported early
-    loaded, _ = _load({"ENGINETAP": "1", "ENGINETAP_OUT": str(tmp_path)}, "import-runner")
+    loaded, _, out = loads["armed-runner"]
     assert loaded[-1] == "FunctionWrapper"  # armed when a runner is constructed
-    assert not list(tmp_path.iterdir())  # no runner was constructed: nothing armed
+    # no runner was constructed: nothing armed, nothing written
+    assert not list(out.iterdir()) and not list(loads["armed"][2].iterdir())
 
 
 @pytest.mark.slow
-def test_missing_config_is_reported_and_vllm_goes_on(tmp_path: Path):
-    loaded, stderr = _load({"ENGINETAP_CONFIG": str(tmp_path / "missing.json")}, "import-runner")
+def test_missing_config_is_reported_and_vllm_goes_on(loads):
+    loaded, stderr, _ = loads["missing"]
     assert "running disarmed" in stderr and "cannot be read" in stderr
     assert loaded[-1] == "function"
 

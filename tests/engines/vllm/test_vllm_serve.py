@@ -53,8 +53,9 @@ def _serve(model_dir: Path, out: Path, port: int) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[Path, dict[str, dict]]]:
-    """Every model's server session, two servers at a time (distinct ports chosen first)."""
+def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Every model's server session and a server that dies at start, two at a time
+    (distinct ports chosen first)."""
     ports: list[int] = []
     while len(ports) < len(MODELS):
         port = free_port()
@@ -64,7 +65,18 @@ def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[Path, dict[str, di
     for model, port in zip(MODELS, ports):
         out, folder = tmp_path_factory.mktemp(f"serve-{model}"), tiny_model(model)
         jobs.append(lambda out=out, folder=folder, port=port: (out, _serve(folder, out, port)))
-    return dict(zip(MODELS, side_by_side(jobs)))
+    dies = tmp_path_factory.mktemp("serve-dies")
+    jobs.append(lambda: (dies, _dying(tiny_model("llama"), dies)))
+    return dict(zip([*MODELS, "dies"], side_by_side(jobs)))
+
+
+def _dying(model_dir: Path, out: Path) -> dict:
+    """A server started with a flag vLLM does not know: what ``start`` raised, and after."""
+    server = VLLMServer(model_dir, args=["--no-such-flag"], env=child_env(),
+                        log_path=out / "server.log", startup_timeout=120)
+    with pytest.raises(EnginetapError, match="exited with code") as failure:
+        server.start()
+    return {"error": str(failure.value), "process": server.process}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -84,10 +96,7 @@ def test_served_steps_match_the_requests(sessions, model: str):
     assert cached % 32 == 0 and seen.first_position["reset"] == 0
 
 
-def test_server_that_dies_reports_its_log(tiny_model, tmp_path: Path):
-    server = VLLMServer(tiny_model("llama"), args=["--no-such-flag"], env=child_env(),
-                        log_path=tmp_path / "server.log", startup_timeout=120)
-    with pytest.raises(EnginetapError, match="exited with code") as failure:
-        server.start()
-    assert "--no-such-flag" in str(failure.value)
-    assert server.process is None
+def test_server_that_dies_reports_its_log(sessions):
+    _, dying = sessions["dies"]
+    assert "--no-such-flag" in dying["error"]
+    assert dying["process"] is None
