@@ -190,22 +190,3 @@ def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
     assert labelled and all(r.notes["requests"][k].get("profile") == "mooncake-tiny"
                             for r in labelled for k in r.request_ids)
     assert replay_dataset(tmp_path / "ds", progress=False).ok
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_cli_captures_from_vllm_and_every_workload_replays(tmp_path, vllm_lock):
-    out = _cli("capture", "--engine", "vllm", "--model", "builtin:llama",
-               "--out", str(tmp_path / "ds"), "--max-output-tokens", "3", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = json.loads((tmp_path / "ds" / "enginetap" / "capture-run.json").read_text())
-    assert run["status"] == "complete" and run["engine"] == "vllm"
-    ds = Dataset(tmp_path / "ds")
-    names = set(ds.definitions())
-    assert any(n.startswith("gqa_ragged_prefill") for n in names)
-    assert any(n.startswith("gqa_paged_decode") for n in names)
-    receipts = [l.enginetap.receipt for n in names for l in ds.workloads(n)]
-    # vLLM's request ids carry a random suffix; receipts key requests by the driver's key
-    assert all(r.notes["requests"][k].get("profile") == "mooncake-tiny"
-               for r in receipts for k in r.request_ids)
-    assert replay_dataset(tmp_path / "ds", progress=False).ok

@@ -11,9 +11,12 @@ hiding AMX from vLLM on a machine that has it.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,15 +67,30 @@ def runs(model_dir, tmp_path_factory: pytest.TempPathFactory):
         folder = model_dir(model)  # built here, not by two threads at once
         return lambda: run_capture(folder, out, armed=armed, hide_amx=hide_amx)
 
-    def get(model: str, armed: bool = True, hide_amx: bool = False) -> CaptureRun:
+    def get(model: str, armed: bool = True, hide_amx: bool = False) -> Any:
         key = (model, armed, hide_amx)
-        if not done:  # the runs every model's tests need, two engines at a time
-            keys = [(m, a, False) for m in MODELS for a in (True, False)]
-            done.update(zip(keys, side_by_side([job(k) for k in keys])))
+        if not done:  # every run of this module, two engines at a time
+            keys: list[tuple] = [(m, a, False) for m in MODELS for a in (True, False)]
+            keys.append(("deepseek_v3", True, True))
+            jobs = [job(k) for k in keys]
+            cli = tmp_path_factory.mktemp("cli-capture")
+            model_dir("llama")
+            keys.append(("cli",))
+            jobs.append(lambda: (cli, subprocess.run(
+                [sys.executable, "-m", "enginetap.cli.main", "capture", "--engine", "vllm",
+                 "--model", "builtin:llama", "--out", str(cli / "ds"),
+                 "--max-output-tokens", "3"], cwd=cli, capture_output=True, text=True,
+                timeout=600)))
+            done.update(zip(keys, side_by_side(jobs)))
         if key not in done:
             done[key] = job(key)()
         return done[key]
 
+    def cli() -> Any:
+        get("llama")
+        return done[("cli",)]
+
+    get.cli = cli  # type: ignore[attr-defined]
     return get
 
 
@@ -136,3 +154,24 @@ def test_the_path_without_amx_captures_and_replays(runs):
     assert mla and all("CPUMLAImpl.forward_mqa ran" in str(r["notes"]) for r in mla)
     experts = receipts(run.dataset, "moe_experts_swiglu")
     assert experts and all("vec prepacked" in str(r["notes"]) for r in experts)
+
+
+def test_cli_captures_from_vllm_and_every_workload_replays(runs):
+    # ``enginetap capture --engine vllm`` end to end (its own vLLM child, in this module's
+    # batch): a complete run, attention workloads, receipts keyed by the driver's request
+    # keys (vLLM's ids carry a random suffix), and everything replays
+    from enginetap.dataset import Dataset
+    from enginetap.replay.runner import replay_dataset
+
+    folder, out = runs.cli()
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads((folder / "ds" / "enginetap" / "capture-run.json").read_text())
+    assert run["status"] == "complete" and run["engine"] == "vllm"
+    ds = Dataset(folder / "ds")
+    names = set(ds.definitions())
+    assert any(n.startswith("gqa_ragged_prefill") for n in names)
+    assert any(n.startswith("gqa_paged_decode") for n in names)
+    receipts_ = [line.enginetap.receipt for n in names for line in ds.workloads(n)]
+    assert all(r.notes["requests"][k].get("profile") == "mooncake-tiny"
+               for r in receipts_ for k in r.request_ids)
+    assert replay_dataset(folder / "ds", progress=False).ok
