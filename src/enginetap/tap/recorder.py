@@ -202,7 +202,8 @@ class TapRecorder:
     def checkpoint(self, name: str, tensor: Any) -> None:
         """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
         forward) under ``name``; tensors of another layout are skipped. Runs once per
-        checkpoint: kept to a few attribute reads and one gather."""
+        checkpoint: kept to a few attribute reads and a kept reference (deferred) or one
+        gather."""
         if self.step is None or not isinstance(tensor, torch.Tensor):
             return
         if tensor.requires_grad:  # only outside inference mode; a view costs little
