@@ -2,7 +2,7 @@
 captured workload against its definition's reference: each must PASS within the
 definition's tolerance (exact for expert ids). Armed and disarmed runs sample the same
 greedy tokens. One armed and one disarmed vLLM run per model, shared by the tests (run two
-at a time, ``vllm_harness.side_by_side``).
+at a time, ``tests.pairwise.side_by_side``).
 
 The CPU decides vLLM's kernels (AMX on Intel, AVX-512/AVX2 elsewhere): the AMX-less path is
 also run for deepseek_v3 (it switches MLA to ``CPUMLAImpl``, MoE to the ``vec`` packing), by
@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from tests.pairwise import side_by_side
+
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "engines" / "vllm"))
-from vllm_harness import side_by_side  # noqa: E402
 from vllm_capture_checks import (  # noqa: E402
     CaptureRun,
     const_axes,

@@ -44,12 +44,11 @@ def _run_path(path: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def path_runs() -> dict[str, subprocess.CompletedProcess[str]]:
     """Every runnable path's child run, side by side (each is one single-threaded pytest)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from tests.pairwise import side_by_side
 
     pytest.importorskip("vllm._custom_ops", reason="vLLM CPU ops are not installed")
     paths = _runnable()
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(paths, pool.map(_run_path, paths)))
+    return dict(zip(paths, side_by_side([lambda p=p: _run_path(p) for p in paths])))
 
 
 @pytest.mark.skipif(CPU_PATH_VAR in os.environ, reason="already emulating a CPU path")

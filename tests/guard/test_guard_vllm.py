@@ -45,19 +45,18 @@ def _demo(model: Path, out: Path, *args: str, env: dict[str, str]) -> dict:
 def demos(vllm_lock, model_dir, tmp_path_factory) -> dict:
     """The in-process demo and the plugin-armed demo, side by side (two engines at a
     time): ``{"in_process": result, "plugin": (result, its out dir)}``."""
-    from concurrent.futures import ThreadPoolExecutor
+    from tests.pairwise import side_by_side
 
     out = tmp_path_factory.mktemp("guard-vllm")
     plugin = tmp_path_factory.mktemp("guard-plugin")
     arm = ArmConfig(enabled=True, capabilities=["guard"], out_dir=plugin / "out", options={
         "guard": {"patches": ["enginetap.guard.examples.vllm_rmsnorm:install"]}})
     (plugin / "arming.json").write_text(arm.model_dump_json())
-    with ThreadPoolExecutor(2) as pool:
-        local = pool.submit(_demo, model_dir, out / "in-process.json", env=_env())
-        armed = pool.submit(_demo, model_dir, plugin / "plugin.json", "--plugin",
-                            env=_env(ENGINETAP="1",
-                                     ENGINETAP_CONFIG=str(plugin / "arming.json")))
-    return {"in_process": local.result(), "plugin": (armed.result(), plugin)}
+    local, armed = side_by_side([
+        lambda: _demo(model_dir, out / "in-process.json", env=_env()),
+        lambda: _demo(model_dir, plugin / "plugin.json", "--plugin",
+                      env=_env(ENGINETAP="1", ENGINETAP_CONFIG=str(plugin / "arming.json")))])
+    return {"in_process": local, "plugin": (armed, plugin)}
 
 
 @pytest.fixture(scope="module")

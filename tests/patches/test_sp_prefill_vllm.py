@@ -1,8 +1,7 @@
 """Sequence-parallel prefill inside real vLLM CPU at TP=2 on the built-in llama.
 
 Four engine runs (one vLLM child each, ``VLLM_CPU_OMP_THREADS_BIND=nobind``: two CPU
-workers on one NUMA node; two children at a time), every run the same workload (see
-``sp_prefill_run.py``):
+workers on one NUMA node), every run the same workload (see ``sp_prefill_run.py``):
 
 - ``drift``: a test guard patch swaps ``LlamaDecoderLayer.forward`` for a copy of its own
   source with one comment edited, so the lock refuses sp_prefill and vLLM serves its stock
@@ -85,37 +84,21 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def llama_runs(vllm_lock, model, tmp_path_factory) -> dict[str, Run]:
-    """The four llama runs, two engines at a time (each engine's own start-up is mostly
-    one process importing vLLM while the other core idles)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    jobs = {
-        "stock": (tmp_path_factory.mktemp("drift"), {"mode": "exact"},
-                  ["sp_prefill_injections:drift_llama_layer"], True),
-        "exact": (tmp_path_factory.mktemp("exact"), {"mode": "exact"},
-                  ["sp_prefill_injections:fail_rank1"], True),
-        "comm": (tmp_path_factory.mktemp("comm"), {"mode": "comm"}, [], False),
-        "shard": (tmp_path_factory.mktemp("shard"), {"mode": "shard"}, [], False),
-    }
-    with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(_run, model, *job) for name, job in jobs.items()}
-    return {name: future.result() for name, future in futures.items()}
+def stock(vllm_lock, model, tmp_path_factory) -> Run:
+    return _run(model, tmp_path_factory.mktemp("drift"), {"mode": "exact"},
+                ["sp_prefill_injections:drift_llama_layer"], tap=True)
 
 
 @pytest.fixture(scope="module")
-def stock(llama_runs) -> Run:
-    return llama_runs["stock"]
-
-
-@pytest.fixture(scope="module")
-def exact(llama_runs) -> Run:
-    return llama_runs["exact"]
+def exact(vllm_lock, model, tmp_path_factory) -> Run:
+    return _run(model, tmp_path_factory.mktemp("exact"), {"mode": "exact"},
+                ["sp_prefill_injections:fail_rank1"], tap=True)
 
 
 @pytest.fixture(scope="module", params=["comm", "shard"])
-def inexact(request, llama_runs) -> Run:
-    return llama_runs[request.param]
+def inexact(request, vllm_lock, model, tmp_path_factory) -> Run:
+    mode = request.param
+    return _run(model, tmp_path_factory.mktemp(mode), {"mode": mode}, [])
 
 
 def test_a_drifted_source_is_refused_and_vllm_serves_stock(stock):

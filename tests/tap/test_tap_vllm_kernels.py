@@ -28,6 +28,7 @@ from enginetap.tap.continuity import check_continuity, check_metadata, metadata_
 from enginetap.tap.crossrank import compare_ranks
 from enginetap.tap.files import TapRun, load_run
 from enginetap.tap.pairs import find_pairs
+from tests.pairwise import side_by_side
 
 HERE = Path(__file__).parent
 VLLM_TESTS = HERE.parent / "engines" / "vllm"
@@ -39,7 +40,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     sys.path.insert(0, str(VLLM_TESTS))
-    from vllm_harness import OFFLINE, child_env, run_script, side_by_side
+    from vllm_harness import OFFLINE, child_env, run_script
 
     from enginetap.models import build_model
 

@@ -84,12 +84,11 @@ def _over_http(llama: Path, tmp_path: Path) -> tuple[RunReport, int]:
 @pytest.fixture(scope="module")
 def reports(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Both drivers' runs, side by side (two engines at a time)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from tests.pairwise import side_by_side
 
-    with ThreadPoolExecutor(2) as pool:
-        local = pool.submit(_in_process, llama, tmp_path_factory.mktemp("llm"))
-        http = pool.submit(_over_http, llama, tmp_path_factory.mktemp("http"))
-    return {"llm": local.result(), "http": http.result()}
+    local, http = tmp_path_factory.mktemp("llm"), tmp_path_factory.mktemp("http")
+    reports = side_by_side([lambda: _in_process(llama, local), lambda: _over_http(llama, http)])
+    return dict(zip(("llm", "http"), reports))
 
 
 def test_in_process_llm_driver(reports: dict) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 from step_checks import Request, check_steps, read_steps
-from vllm_harness import OFFLINE, child_env, run_script, side_by_side
+from vllm_harness import OFFLINE, child_env, run_script
+
+from tests.pairwise import side_by_side
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -40,7 +40,7 @@ def _load(env: dict[str, str], *args: str) -> tuple[list[str], str]:
 @pytest.fixture(scope="module")
 def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], str, Path]]:
     """The plugin tests' child interpreters, two at a time (each is mostly vLLM's import)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from tests.pairwise import side_by_side
 
     out = {name: tmp_path_factory.mktemp(f"plugin-{name}")
            for name in ("disarmed", "armed", "armed-runner", "missing")}
@@ -52,9 +52,9 @@ def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str]
         "missing": ({"ENGINETAP_CONFIG": str(out["missing"] / "missing.json")},
                     ("import-runner",)),
     }
-    with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(_load, env, *args) for name, (env, args) in jobs.items()}
-    return {name: (*future.result(), out[name]) for name, future in futures.items()}
+    loaded = side_by_side([lambda env=env, args=args: _load(env, *args)
+                           for env, args in jobs.values()])
+    return {name: (*result, out[name]) for name, result in zip(jobs, loaded)}
 
 
 def test_entry_point_is_declared():

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 from step_checks import Request, check_steps, read_steps
-from vllm_harness import child_env, side_by_side
+from vllm_harness import child_env
 
 from enginetap.config import ArmConfig
 from enginetap.engines.vllm.server import VLLMServer, free_port
 from enginetap.errors import EnginetapError
+from tests.pairwise import side_by_side
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

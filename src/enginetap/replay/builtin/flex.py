@@ -218,9 +218,11 @@ def mla_paged_prefill(definition: Definition) -> Callable[..., Any]:
         qo = qo_indptr.tolist()
         for b, own in enumerate(request_slots(kv_indptr, kv_indices, kv_last_page_len,
                                               page_size)):
-            n = qo[b + 1] - qo[b]
-            for i in range(n):  # causal: the i-th new token sees the prefix and itself
-                allowed[qo[b] + i, own[: own.numel() - n + i + 1]] = True
+            n, length = qo[b + 1] - qo[b], own.numel()
+            # causal: the i-th of n new tokens sees its first length - n + i + 1 tokens
+            last = torch.arange(n, device=own.device) + (length - n)
+            allowed[qo[b]:qo[b + 1], own] = (torch.arange(length, device=own.device)[None, :]
+                                             <= last[:, None])
         return _latent(q_nope, q_pe, ckv_cache, kpe_cache, allowed, float(sm_scale))
 
     return run
