@@ -40,7 +40,7 @@ demo: $(VENV)/.installed-core
 	$(VENV)/bin/enginetap demo --out demo-out
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest
+	$(PY) tests/run_suite.py
 
 bench: $(VENV)/.installed-test
 	$(PY) bench/bench_guard.py

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import fcntl
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 VLLM_LOCK = Path("/tmp/enginetap-vllm.lock")
+# Modules whose engine runs are TP=2: under ``make test`` (tests/run_suite.py) the engines
+# process runs them last, when the other process has usually finished.
+TP_MODULES = ("test_sp_prefill_vllm.py", "test_capture_vllm_tp.py", "test_vllm_tp.py")
 
 
 def pytest_configure(config):
     # Tiny models on a shared 2-core machine: one intra-op thread per test process is
     # faster than two fighting for the cores (engine subprocesses set their own).
-    import os
-
     import torch
 
     torch.set_num_threads(1)
@@ -23,6 +25,24 @@ def pytest_configure(config):
     # allocates and zeroes all of it at every engine start: a third of a tiny model's
     # start-up. The suite's models need far less; engine children inherit this.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("ETSUITE_ROLE") == "engines":
+        items.sort(key=lambda item: item.path.name in TP_MODULES)  # stable: file order kept
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In ``make test``'s ``rest`` process each test (fixtures included) holds the CPU lock
+    shared, so the engines process's TP=2 runs get both cores to themselves."""
+    if os.environ.get("ETSUITE_ROLE") != "rest":
+        yield
+        return
+    from tests.pairwise import shared
+
+    with shared():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,67 @@
+"""``make test``: the whole suite as two pytest processes side by side.
+
+Most of the suite's time is vLLM CPU engines in child processes (tests marked ``vllm``);
+the rest is single-threaded (one torch thread per test process, ``tests/conftest.py``), so
+on a 2-core machine one core sat idle through it. Here the two halves run at once:
+
+- ``engines``: ``pytest -m vllm``, its output streamed live; its TP=2 modules run last
+  and each TP=2 run holds the CPU alone (``tests/pairwise.py``: ``alone``) — two workers'
+  OpenMP threads on two cores slow down badly when a third process competes;
+- ``rest``: ``pytest -m "not vllm"``, its output kept in a log that is printed when it ends.
+  Each of its tests holds the CPU lock shared, so a TP=2 run waits for the test in flight
+  and the next test waits for the TP=2 run.
+
+Extra arguments go to both pytest calls (e.g. a test folder). The exit status is 0 when
+both passed (or one of them had nothing to run).
+``python -m pytest`` still runs everything in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLE = "ETSUITE_ROLE"
+LOCK = "ETSUITE_CPU_LOCK"
+
+
+def main(argv: list[str]) -> int:
+    work = Path(tempfile.mkdtemp(prefix="enginetap-suite-"))
+    lock = work / "cpu.lock"
+    lock.touch()
+    (work / "cpu.lock.turn").touch()
+
+    def pytest(role: str, marker: str) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-m", marker, "--basetemp",
+                str(work / role), "-p", "no:cacheprovider", *argv]
+
+    def env(role: str) -> dict[str, str]:
+        return {**os.environ, ROLE: role, LOCK: str(lock)}
+
+    log_path = work / "rest.log"
+    with log_path.open("wb") as log:
+        rest = subprocess.Popen(pytest("rest", "not vllm"), cwd=ROOT, env=env("rest"),
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            print("== engines (pytest -m vllm); the other tests run beside it, "
+                  f"their output follows (log: {log_path})", flush=True)
+            engines = subprocess.run(pytest("engines", "vllm"), cwd=ROOT, env=env("engines"),
+                                     check=False).returncode
+        except BaseException:  # interrupted: take the other half down with us
+            rest.kill()
+            raise
+        rest_code = rest.wait()
+    print(f"\n== rest (pytest -m 'not vllm'): {log_path}", flush=True)
+    sys.stdout.write(log_path.read_text(errors="replace"))
+    print(f"\n== suite: engines exited {engines}, rest exited {rest_code}", flush=True)
+    # 5 is pytest's "no tests collected": fine for one half of a selection, not for both
+    codes = {engines, rest_code}
+    return 0 if codes <= {0, 5} and codes != {5} else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
