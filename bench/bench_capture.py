@@ -24,9 +24,11 @@ workloads of a given size committed per second, against a plain safetensors writ
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -64,7 +66,8 @@ def _requests(args: argparse.Namespace, vocab: int) -> list[Request]:
             for i in range(args.batch)]
 
 
-def _decode_steps(engine: HFEngine, requests: list[Request]) -> tuple[list[float], list[int]]:
+def _decode_steps(engine: HFEngine, requests: list[Request]
+                  ) -> tuple[list[float], list[int], list[list[int]]]:
     times, copied, marks = [], [], {}
 
     def begin(step) -> None:
@@ -81,11 +84,11 @@ def _decode_steps(engine: HFEngine, requests: list[Request]) -> tuple[list[float
 
     subscribe(on_begin=begin, on_end=end)
     try:
-        engine.generate(requests)
+        done = engine.generate(requests)
     finally:
         unsubscribe(begin)
         unsubscribe(end)
-    return times, copied
+    return times, copied, [c.output_ids for c in done]
 
 
 BUDGET = {"bytes": 1 << 30}
@@ -112,6 +115,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                                        "disarmed again": []}
     copied: list[int] = []
     tokens: dict[str, list] = {v: [] for v in results}
+    batches: dict[str, list] = {v: [] for v in results}
     with tempfile.TemporaryDirectory() as tmp:
         names = list(results)
         for round_ in range(args.rounds):
@@ -121,11 +125,20 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 out = Path(tmp) / f"{variant}-{round_}"
                 engine = HFEngine.from_loaded(model, arm=_config(out, policy) if policy else None)
                 try:
-                    times, sizes = _decode_steps(engine, requests)
+                    times, sizes, batch_out = _decode_steps(engine, requests)
                     done = [c.output_ids for c in engine.generate(requests[:1])]
                 finally:
                     disarm()
                 tokens[variant].append(done)
+                batches[variant].append(batch_out)
+                reference = batches["disarmed"][0]
+                differ = [i for i, (a, b) in enumerate(zip(reference, batch_out)) if a != b]
+                print(f"  round {round_} {variant:>14}: batch tokens "
+                      f"{hashlib.sha256(repr(batch_out).encode()).hexdigest()[:10]}, "
+                      f"{len(differ)}/{len(batch_out)} requests differ from the first disarmed "
+                      f"run" + (f" (first at output position "
+                                f"{min(_first_diff(reference[i], batch_out[i]) for i in differ)})"
+                                if differ else ""), flush=True)
                 results[variant] += times[1:]  # the first decode step warms caches
                 if variant == "selected":
                     copied += sizes[1:]
@@ -136,10 +149,35 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     extra = statistics.median(results["selected"]) - base
     table["selected"]["copy_gb_per_s"] = statistics.median(copied) / max(extra, 1e-9) / 1e9
     first = tokens["disarmed"][0]
+    first_batch = batches["disarmed"][0]
     for variant, runs in tokens.items():
         table[variant]["runs_with_first_disarmed_tokens"] = sum(r == first for r in runs)
         table[variant]["runs"] = len(runs)
+        table[variant]["batch_runs_equal"] = sum(b == first_batch for b in batches[variant])
+        for run in runs:
+            if run != first:
+                explain_flip(model, requests[0], first[0], run[0])
     return table
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def explain_flip(model: Any, request: Request, expected: list[int], got: list[int]) -> None:
+    """Where a greedy continuation left the first disarmed run's, and by what logit margin
+    the disarmed model's own choice won there (teacher-forced, one forward)."""
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+              min(len(expected), len(got)))
+    ids = torch.tensor([list(request.prompt_ids) + expected[:at]], device=model.device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    print(f"  token flip at output position {at}: expected {expected[at:at + 1]}, got "
+          f"{got[at:at + 1]}; teacher-forced logits: top1 {top.values[0]:.6f} "
+          f"(id {int(top.indices[0])}), top2 {top.values[1]:.6f} (id {int(top.indices[1])}), "
+          f"gap {float(top.values[0] - top.values[1]):.6f}; logit of the id taken "
+          f"{float(logits[got[at]]) if at < len(got) else float('nan'):.6f}")
 
 
 def profile_selected(args: argparse.Namespace) -> None:
@@ -222,10 +260,21 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=1.0,
                         help="capture's host byte budget: when the writer (disk) falls behind "
                              "by more, selected steps wait for it")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch's deterministic algorithms (warn-only: the ops without one "
+                             "are named) and cuBLAS's fixed workspace, so that run-to-run "
+                             "differences of the engine itself are ruled out")
     parser.add_argument("--profile", action="store_true",
                         help="also print the host profile (cProfile, own time per function) "
                              "of one run with every decode step selected")
     args = parser.parse_args()
+    if args.deterministic:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
     BUDGET["bytes"] = int(args.budget_gb * (1 << 30))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -233,7 +282,7 @@ def main() -> None:
     for variant, row in table.items():
         print(f"{variant:>14}: decode step {row['median_ms']:.3f} ms  ratio {row['ratio']:.3f}"
               f"  tokens = first disarmed run's: {row['runs_with_first_disarmed_tokens']}/"
-              f"{row['runs']}"
+              f"{row['runs']} (batch: {row['batch_runs_equal']}/{row['runs']})"
               + (f"  copied {row['bytes_per_step'] / 1e6:.2f} MB/step "
                  f"({row['copy_gb_per_s']:.2f} GB/s of added step time)"
                  if "bytes_per_step" in row else ""))

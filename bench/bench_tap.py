@@ -88,7 +88,11 @@ class Loop:
                         [self.length] * b, kv_slots=list(range(b)), token_index=list(range(b)))
         step = Step("bench", self.step, "decode", rows, padded_tokens=b)
         sync()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] \
+            if torch.cuda.is_available() else []
         start = CLOCK()
+        if events:
+            events[0].record()
         with torch.inference_mode(), publish(step):
             where = {"cache_position": torch.tensor([self.length], device=self.device)} \
                 if self.static else {}
@@ -98,7 +102,14 @@ class Loop:
             self.next = out.logits[:, -1].argmax(-1, keepdim=True)
             step.sampled = {f"q{i}": 0 for i in range(b)}
             self.launched = CLOCK() - start  # host done launching the forward
+            if events:
+                events[1].record()
+        if events:
+            events[2].record()
         sync()
+        if events:  # device time of the forward, and of what the step's end added after it
+            self.device_times = (events[0].elapsed_time(events[1]) / 1e3,
+                           events[1].elapsed_time(events[2]) / 1e3)
         self.length, self.step = self.length + 1, self.step + 1
         return CLOCK() - start
 
@@ -265,6 +276,8 @@ def main() -> None:
                         "cache grows every step and its allocations stall the host at random")
     parser.add_argument("--time-hooks", action="store_true",
                         help="also print the host time of the recorder's step begin/end")
+    parser.add_argument("--trace", default="", help="comma-separated variants whose device "
+                        "kernels to list (torch.profiler, CUDA only)")
     parser.add_argument("--profile", default="", help="also print the host profile "
                         "(cProfile, top functions) of this variant's steps")
     args = parser.parse_args()
@@ -277,11 +290,14 @@ def main() -> None:
     model = build(args)
     out = Path(tempfile.mkdtemp(prefix="bench-tap-"))
     variants = make_variants(model, out, args.rows)
-    steps = args.rounds * len(variants) * (args.steps + args.warm) + args.steps + 1
+    traced = len(list(filter(None, args.trace.split(","))))
+    steps = (args.rounds * len(variants) * (args.steps + args.warm)
+             + (1 + traced) * (args.steps + 3) + 1)  # + --profile and --trace steps
     loop = Loop(model, args.batch, args.context, args.device,
                 args.context + steps + 8 if args.static else 0)
     times: dict[str, list[float]] = {name: [] for name in variants}
     launched: dict[str, list[float]] = {}
+    device: dict[str, list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for name, variant in variants.items():
             variant.install()
@@ -291,17 +307,27 @@ def main() -> None:
                 for _ in range(args.steps):
                     times[name].append(loop.decode())
                     launched.setdefault(name, []).append(loop.launched)
+                    if hasattr(loop, "device_times"):
+                        device.setdefault(name, []).append(loop.device_times)
             finally:
                 variant.uninstall()
     report(args, times, variants)
     print("  host time to launch the forward (median; below the step time: the device, not "
           "the host, sets the pace): " + ", ".join(
               f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in launched.items()))
+    if device:
+        print("  device time (CUDA events, medians): forward / after the forward until the "
+              "step ended: " + ", ".join(
+                  f"{name} {statistics.median(f for f, _ in d) * 1e3:.2f} / "
+                  f"{statistics.median(t for _, t in d) * 1e3:.3f} ms"
+                  for name, d in device.items()))
     for name, spent in HOOK_TIME.items():
         print(f"  recorder.{name}: median {statistics.median(spent) * 1e3:.3f} ms host time "
               f"over {len(spent)} steps (all tap variants)")
     if args.profile:
         profile(loop, variants[args.profile], args.steps)
+    for name in filter(None, args.trace.split(",")):
+        trace(loop, name, variants[name], args.steps)
 
 
 def profile(loop: Loop, variant: Any, steps: int) -> None:
@@ -322,6 +348,25 @@ def profile(loop: Loop, variant: Any, steps: int) -> None:
         variant.uninstall()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     pstats.Stats(prof).sort_stats("cumulative").print_stats("enginetap", 15)
+
+
+def trace(loop: Loop, name: str, variant: Any, steps: int) -> None:
+    """The device time of ``variant``'s decode steps per kernel (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    variant.install()
+    try:
+        for _ in range(3):
+            loop.decode()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                loop.decode()
+    finally:
+        variant.uninstall()
+    rows = prof.key_averages()
+    total = sum(r.self_device_time_total for r in rows) / steps / 1e3
+    print(f"\n{name}: device time {total:.3f} ms per step (profiled), top kernels:")
+    print(rows.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]], variants: dict) -> None:

@@ -27,22 +27,18 @@ def pytest_configure(config):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("ETSUITE_ROLE") == "engines":
+    role = os.environ.get("ETSUITE_ROLE")
+    if role == "engines":
         items.sort(key=lambda item: item.path.name in TP_MODULES)  # stable: file order kept
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """In ``make test``'s ``rest`` process each test (fixtures included) holds the CPU lock
-    shared, so the engines process's TP=2 runs get both cores to themselves."""
-    if os.environ.get("ETSUITE_ROLE") != "rest":
-        yield
-        return
-    from tests.pairwise import shared
-
-    with shared():
-        yield
+    elif role == "rest":
+        # the engines process holds the vLLM lock for its whole session
+        unmarked = [item.nodeid for item in items if "vllm_lock" in item.fixturenames]
+        if unmarked:
+            raise pytest.UsageError("tests that start vLLM must be marked `vllm` (the lock "
+                                    "is held by make test's other process): "
+                                    + ", ".join(unmarked[:5]))
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,12 @@ Most of the suite's time is vLLM CPU engines in child processes (tests marked ``
 the rest is single-threaded (one torch thread per test process, ``tests/conftest.py``), so
 on a 2-core machine one core sat idle through it. Here the two halves run at once:
 
-- ``engines``: ``pytest -m vllm``, its output streamed live; its TP=2 modules run last
-  and each TP=2 run holds the CPU alone (``tests/pairwise.py``: ``alone``) — two workers'
-  OpenMP threads on two cores slow down badly when a third process competes;
+- ``engines``: ``pytest -m vllm``, its output streamed live, its TP=2 modules last (their
+  workers take both cores; by then the other half has usually finished);
 - ``rest``: ``pytest -m "not vllm"``, its output kept in a log that is printed when it ends.
-  Each of its tests holds the CPU lock shared, so a TP=2 run waits for the test in flight
-  and the next test waits for the TP=2 run.
+
+Measured on a 2-core machine (README): about half a minute to a minute less than one
+process — the machine is nearly CPU-bound either way (vLLM's import in every engine child).
 
 Extra arguments go to both pytest calls (e.g. a test folder). The exit status is 0 when
 both passed (or one of them had nothing to run).
@@ -26,21 +26,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLE = "ETSUITE_ROLE"
-LOCK = "ETSUITE_CPU_LOCK"
 
 
 def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="enginetap-suite-"))
-    lock = work / "cpu.lock"
-    lock.touch()
-    (work / "cpu.lock.turn").touch()
 
     def pytest(role: str, marker: str) -> list[str]:
         return [sys.executable, "-m", "pytest", "-m", marker, "--basetemp",
                 str(work / role), "-p", "no:cacheprovider", *argv]
 
     def env(role: str) -> dict[str, str]:
-        return {**os.environ, ROLE: role, LOCK: str(lock)}
+        return {**os.environ, ROLE: role}
 
     log_path = work / "rest.log"
     with log_path.open("wb") as log:

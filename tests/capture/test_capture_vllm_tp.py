@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.pairwise import alone
-
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_capture_checks import (  # noqa: E402
     const_axes,
@@ -32,8 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def tp_run(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory):
     from enginetap.models import build_model
 
-    with alone():
-        return run_capture(build_model("qwen3_next"), tmp_path_factory.mktemp("tp2"), tp=2)
+    return run_capture(build_model("qwen3_next"), tmp_path_factory.mktemp("tp2"), tp=2)
 
 
 def test_rank0_writes_the_logical_operators_and_they_replay(tp_run):

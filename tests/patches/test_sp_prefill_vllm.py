@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 
 from enginetap.config import ARMING_VARS
-from tests.pairwise import alone
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -68,7 +67,7 @@ def _run(model: Path, out: Path, options: dict, guard_patches: list[str],
                PYTHONPATH=os.pathsep.join([src, str(HERE), env.get("PYTHONPATH", "")]),
                SP_INJECT_ROWS=str(INJECT_ROWS), SP_DRIFT_DIR=str(out / "drifted"))
     log_path = out / "run.log"
-    with log_path.open("wb") as sink, alone():
+    with log_path.open("wb") as sink:
         done = subprocess.run([sys.executable, str(RUN), str(model), str(out / "report.json")],
                               env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=500,
                               check=False)

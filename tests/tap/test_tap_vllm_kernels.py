@@ -28,7 +28,7 @@ from enginetap.tap.continuity import check_continuity, check_metadata, metadata_
 from enginetap.tap.crossrank import compare_ranks
 from enginetap.tap.files import TapRun, load_run
 from enginetap.tap.pairs import find_pairs
-from tests.pairwise import alone, side_by_side
+from tests.pairwise import side_by_side
 
 HERE = Path(__file__).parent
 VLLM_TESTS = HERE.parent / "engines" / "vllm"
@@ -73,8 +73,7 @@ def runs(vllm_lock: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                            child_env({"ENGINETAP": "1", "ENGINETAP_CAPABILITIES": "tap",
                                       "ENGINETAP_OUT": str(out / "offline")}),
                            out / "offline.log")])
-    with alone():
-        cli(2)
+    cli(2)
     return {"root": out, "tp1": out / "tp1", "cli1": out / "cli1", "cli2": out / "cli2",
             "compiled": out / "compiled", "offline": out / "offline"}
 

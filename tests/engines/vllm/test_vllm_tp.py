@@ -16,7 +16,6 @@ from vllm_harness import OFFLINE, child_env, run_script
 
 from enginetap.cli.vllm import app
 from enginetap.engines.vllm.selfcheck import SELFCHECK_FILE
-from tests.pairwise import alone
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -31,10 +30,8 @@ def tp_run(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     (out / "arming.json").write_text(json.dumps(config))
     env = child_env({"ENGINETAP_CONFIG": str(out / "arming.json"),
                      "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    model = tiny_model("llama")
-    with alone():
-        log = run_script([str(OFFLINE), str(model), str(out / "report.json"), "--tp", "2"],
-                         env, out / "run.log")
+    log = run_script([str(OFFLINE), str(tiny_model("llama")), str(out / "report.json"),
+                      "--tp", "2"], env, out / "run.log")
     return out, json.loads((out / "report.json").read_text()), log
 
 
