@@ -135,6 +135,53 @@ def test_a_failing_probe_disarms_itself_and_is_counted(tmp_path, armed_engine, m
     assert "adapter bug" in summary["disabled_probes"]["test.broken"]
 
 
+def test_a_failed_device_check_refuses_the_workload_and_disables_its_probe(
+        tmp_path, armed_engine, monkeypatch):
+    # Adapters check what they assume on the device (no host wait); the writer reads the
+    # flags before writing. A failed one: the workload is refused, its probe disabled.
+    import dataclasses
+
+    import torch
+
+    from enginetap.engines.hf import probes
+
+    real = next(p for p in probes.PROBES if p.family == "rmsnorm")
+
+    def adapt(call):
+        extracted = real.adapt(call)
+        if extracted is not None:
+            held = (extracted.inputs["hidden_states"] == extracted.inputs["hidden_states"])
+            extracted.checks.append((held.all(), "a check that holds"))
+            extracted.checks.append((torch.tensor(False), "the test's broken assumption"))
+        return extracted
+
+    monkeypatch.setattr(probes, "PROBES", [dataclasses.replace(real, adapt=adapt)])
+    disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
+    engine = armed_engine()
+    assert [c.output_ids for c in engine.generate(_requests())] == disarmed
+    disarm()
+    summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
+    assert summary["written"] == 0 and summary["refused_by_dataset"] >= 1
+    assert "the adapter's check failed: the test's broken assumption" in \
+        summary["disabled_probes"][real.name]
+
+
+def test_repeated_kv_heads_are_checked_on_the_device() -> None:
+    import torch
+
+    from enginetap.engines.hf.probes.attention import _kv_heads
+
+    kv = torch.randn(2, 2, 5, 4, dtype=torch.bfloat16)
+    repeated = kv.repeat_interleave(3, dim=1)  # transformers' repeat_kv
+    checks: list = []
+    kept = _kv_heads(repeated, 2, [], "key", checks)
+    assert torch.equal(kept, kv) and bool(checks[0][0])
+    repeated[1, 4, 2, 1] += 1  # one element of one repeated head differs
+    checks = []
+    _kv_heads(repeated, 2, [], "value", checks)
+    assert not bool(checks[0][0]) and "not 2 kv heads each repeated 3 times" in checks[0][1]
+
+
 def test_captured_dataset_loads_in_flashinfer_bench(tmp_path, armed_engine):
     data = pytest.importorskip("flashinfer_bench.data")
     armed_engine().generate(_requests())

@@ -58,12 +58,18 @@ class Extracted:
     when the engine does not expose an output, e.g. a log-sum-exp). ``notes`` says what
     the adapter changed and why (compaction of pages, head layouts, dropped padding).
     ``rows`` are the step rows the workload covers (for the receipt's request keys).
+    ``checks`` are what the adapter verified on the device without waiting for it: pairs of
+    a bool scalar tensor (True: it holds) and what it means when it does not. They travel
+    with the copies; the writer reads them before writing and refuses the workload (its
+    probe is disabled, as for any adapter failure) when one fails. An adapter that asked the
+    host instead would stop the engine's host thread until the device caught up.
     """
 
     inputs: dict[str, Any]
     outputs: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     rows: list[int] | None = None
+    checks: list[tuple[Any, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

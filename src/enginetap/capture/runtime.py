@@ -243,11 +243,16 @@ class CaptureRuntime:
                 return
             facts = self.provenance.facts(call, extracted, variant)
             ring = self.options.budget_bytes  # the pinned ring holds what the budget allows
+            checks = None
+            if extracted.checks:
+                checks = HostCopies.of({str(i): flag.reshape(1) for i, (flag, _)
+                                        in enumerate(extracted.checks)}, ring)
             item = Item(definition, HostCopies.of(extracted.inputs, ring),
                         HostCopies.of(extracted.outputs, ring),
                         lambda: self.provenance.receipt(
                             facts, {k: self.labels.get(k) for k in facts.keys}),
-                        lambda why: self._refused(probe, why))
+                        lambda why: self._refused(probe, why), checks,
+                        tuple(what for _, what in extracted.checks))
             self.writer.submit(item)
         except Exception as exc:  # noqa: BLE001 - our failure: disable the probe, serve on
             self.selector.release(definition.name, variant)

@@ -55,15 +55,31 @@ class Item:
     outputs: HostCopies
     receipt: Callable[[], Receipt]
     refused: Callable[[str], None] | None = None
+    checks: HostCopies | None = None
+    """The adapter's device-side checks (see :class:`~enginetap.capture.probe.Extracted`),
+    one bool per entry of ``check_notes``."""
+    check_notes: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return self.inputs.nbytes + self.outputs.nbytes
 
+    def failed_check(self) -> str | None:
+        """What the first failed device-side check means; None when all hold."""
+        if self.checks is None:
+            return None
+        flags = self.checks.wait()
+        for i, what in enumerate(self.check_notes):
+            if not bool(flags[str(i)].all()):
+                return f"the adapter's check failed: {what}"
+        return None
+
     def release(self) -> None:
         """Give back pinned ring space (written, dropped or refused)."""
         self.inputs.release()
         self.outputs.release()
+        if self.checks is not None:
+            self.checks.release()
 
 
 @dataclass
@@ -172,7 +188,18 @@ class Writer:
 
     def _write(self, items: list[Item]) -> None:
         """One batch commit; if the dataset refuses a record, the batch is written record
-        by record so that only the refused workloads (and their probes) are dropped."""
+        by record so that only the refused workloads (and their probes) are dropped. A
+        workload whose adapter's device-side check failed is refused first."""
+        kept = []
+        for item in items:
+            failed = item.failed_check()
+            if failed is None:
+                kept.append(item)
+            else:
+                self._refuse(item, failed)
+        if not kept:
+            return
+        items = kept
         records = [self._record(item) for item in items]
         try:
             self.dataset.add_workloads(records)

@@ -34,9 +34,10 @@ from enginetap.engines.hf.probes.common import (
     batch_requests,
     column_ranges,
     end_aligned,
-    fill_pages,
+    gather_pages,
     instantiate,
     pack_pages,
+    page_slots,
     visible_columns,
 )
 
@@ -82,20 +83,28 @@ def _define(call: ProbeCall) -> Definition | None:
     return instantiate("gqa_paged_decode", **gqa, page_size=PAGE_SIZE)
 
 
-def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str) -> torch.Tensor:
-    """``[B, kv_heads, Lk, D]``: undo transformers' ``repeat_kv`` (checked, not assumed)."""
+def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str,
+              checks: list[tuple[torch.Tensor, str]]) -> torch.Tensor:
+    """``[B, kv_heads, Lk, D]``: undo transformers' ``repeat_kv``. Checked, not assumed:
+    the check (every head equal to the first of its group, bit for bit) is computed on
+    the tensor's device and added to ``checks``, for the writer to read (asking the host
+    here would stop the engine until the device caught up, twice per layer)."""
     heads = tensor.shape[1]
     if heads == kv_heads:
         return tensor
+    if heads % kv_heads:
+        raise ValueError(f"{name}: the engine's {heads} heads are not a multiple of "
+                         f"{kv_heads} kv heads")
     group = heads // kv_heads
-    kept = tensor[:, ::group]
-    if not torch.equal(kept.repeat_interleave(group, dim=1), tensor):
-        raise ValueError(f"{name}: the engine's {heads} heads are not {kv_heads} kv heads "
-                         f"each repeated {group} times")
+    grouped = tensor.unflatten(1, (kv_heads, group))
+    same = grouped.view(torch.uint8) if grouped.stride(-1) == 1 else grouped
+    checks.append(((same == same[:, :, :1]).all(),
+                   f"{name}: the engine's {heads} heads are not {kv_heads} kv heads each "
+                   f"repeated {group} times (repeat_kv)"))
     if name == "key":
         notes.append(f"kv heads: the engine repeated each of {kv_heads} kv heads {group} times "
                      "(repeat_kv, since a mask is given) before the kernel; one of each kept")
-    return kept
+    return grouped[:, :, 0]
 
 
 class _Live:
@@ -145,7 +154,9 @@ def _adapt_prefill(call: ProbeCall) -> Extracted | None:
     if not live.ok:
         return None  # a mask the definition cannot describe (sliding window, bidirectional)
     notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD rows"]
-    k, v = _kv_heads(k, kv_heads, notes, "key"), _kv_heads(v, kv_heads, notes, "value")
+    checks: list[tuple[torch.Tensor, str]] = []
+    k = _kv_heads(k, kv_heads, notes, "key", checks)
+    v = _kv_heads(v, kv_heads, notes, "value", checks)
     qs, ks, vs, outs, q_lens, kv_lens = [], [], [], [], [], []
     for request, columns, span in zip(live.requests, live.columns, live.spans):
         queries = _span(request.columns)
@@ -162,7 +173,7 @@ def _adapt_prefill(call: ProbeCall) -> Extracted | None:
     inputs = {"q": torch.cat(qs), "k": torch.cat(ks), "v": torch.cat(vs),
               "qo_indptr": _indptr(q_lens), "kv_indptr": _indptr(kv_lens),
               "sm_scale": _scale(call, q.shape[-1])}
-    return Extracted(inputs, {"output": torch.cat(outs)}, notes)
+    return Extracted(inputs, {"output": torch.cat(outs)}, notes, checks=checks)
 
 
 def _adapt_decode(call: ProbeCall) -> Extracted | None:
@@ -173,25 +184,47 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
     if not live.ok or any(len(r.columns) != 1 for r in live.requests):
         return None
     notes = [PAD_NOTE, "layouts: engine [batch, heads, columns, dim] -> NHD"]
-    k, v = _kv_heads(k, consts["num_kv_heads"], notes, "key"), _kv_heads(
-        v, consts["num_kv_heads"], notes, "value")
-    rows = [r.batch_row for r in live.requests]
+    checks: list[tuple[torch.Tensor, str]] = []
+    k = _kv_heads(k, consts["num_kv_heads"], notes, "key", checks)
+    v = _kv_heads(v, consts["num_kv_heads"], notes, "value", checks)
     page_size = consts["page_size"]
-    pages = pack_pages([len(c) for c in live.columns], page_size)
-    keys = [k[b, :, c].transpose(0, 1) for b, c in zip(rows, live.spans)]
-    values = [v[b, :, c].transpose(0, 1) for b, c in zip(rows, live.spans)]
-    notes.append(f"paged cache: the engine's dense padded cache compacted to each request's "
-                 f"live columns, packed into fresh {page_size}-token pages numbered in request "
-                 "order; unused slots of last pages are zero")
-    notes += [f"request {r.key}: pages {pages.indices[pages.indptr[i]:pages.indptr[i + 1]].tolist()}"
-              f" hold cache columns {column_ranges(c)} of batch row {r.batch_row}"
-              for i, (r, c) in enumerate(zip(live.requests, live.columns))]
-    notes.append("lse: the engine's kernel does not return it; not stored")
-    inputs = {"q": q[rows, :, 0], "k_cache": fill_pages(keys, page_size),
-              "v_cache": fill_pages(values, page_size), "kv_indptr": pages.indptr,
-              "kv_indices": pages.indices, "kv_last_page_len": pages.last_page_len,
+    paged = _paged(call, live, page_size, k.shape[2], k.device)
+    notes += paged.notes
+    inputs = {"q": q[:, :, 0].index_select(0, paged.rows),
+              "k_cache": gather_pages(k, paged.slots, page_size),
+              "v_cache": gather_pages(v, paged.slots, page_size),
+              "kv_indptr": paged.pages.indptr, "kv_indices": paged.pages.indices,
+              "kv_last_page_len": paged.pages.last_page_len,
               "sm_scale": _scale(call, q.shape[-1])}
-    return Extracted(inputs, {"output": call.result[rows, :, 0]}, notes)
+    return Extracted(inputs, {"output": call.result[:, :, 0].index_select(0, paged.rows)},
+                     notes, checks=checks)
+
+
+class _Paged:
+    """A decode step's page tables, the slots every layer's cache is gathered at, and the
+    notes that say so: the same for every layer of the step (built once)."""
+
+    def __init__(self, live: _Live, page_size: int, columns: int,
+                 device: torch.device) -> None:
+        rows = [r.batch_row for r in live.requests]
+        # on the device once per step (indexing with a Python list waits for the device)
+        self.rows = torch.tensor(rows).to(device, non_blocking=True)
+        self.pages = pack_pages([len(c) for c in live.columns], page_size)
+        self.slots = page_slots(live.columns, rows, columns, page_size, device)
+        indptr = self.pages.indptr.tolist()
+        self.notes = [f"paged cache: the engine's dense padded cache compacted to each "
+                      f"request's live columns, packed into fresh {page_size}-token pages "
+                      "numbered in request order; unused slots of last pages are zero"]
+        self.notes += [f"request {r.key}: pages {indptr[i]}-{indptr[i + 1] - 1} hold cache "
+                       f"columns {column_ranges(c)} of batch row {r.batch_row}"
+                       for i, (r, c) in enumerate(zip(live.requests, live.columns))]
+        self.notes.append("lse: the engine's kernel does not return it; not stored")
+
+
+def _paged(call: ProbeCall, live: _Live, page_size: int, columns: int,
+           device: torch.device) -> _Paged:
+    return call.step.memo(("hf.attention.paged", id(live), page_size, columns, str(device)),
+                          lambda: _Paged(live, page_size, columns, device))
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:

@@ -21,7 +21,8 @@ from enginetap.dataset.schema import Definition
 from enginetap.definitions import get_template
 
 __all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
-           "end_aligned", "fill_pages", "instantiate", "pack_pages", "token_rows", "visible_columns"]
+           "end_aligned", "fill_pages", "gather_pages", "instantiate", "pack_pages", "page_slots",
+           "token_rows", "visible_columns"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -133,6 +134,40 @@ def pack_pages(lengths: list[int], page_size: int) -> Pages:
     last = [n - (c - 1) * page_size for n, c in zip(lengths, counts)]
     return Pages(indptr, torch.arange(int(indptr[-1]), dtype=torch.int32),
                  torch.tensor(last, dtype=torch.int32), [])
+
+
+def page_slots(columns: list[list[int]], rows: list[int], width: int, page_size: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every slot of :func:`pack_pages`'s pages comes from, for requests whose live
+    tokens are ``columns[i]`` of batch row ``rows[i]`` of a ``[batch, width, ...]`` tensor:
+    ``(flat index into batch * width, valid)`` on ``device``, one entry per slot (unused
+    slots of last pages repeat a live token and are not valid). A few vectorised ops, once
+    per step: the same for every layer."""
+    lengths = torch.tensor([len(c) for c in columns])
+    slots = lengths.clamp(min=1).add(page_size - 1).div(page_size, rounding_mode="floor")
+    slots *= page_size
+    request = torch.repeat_interleave(torch.arange(len(columns)), slots)
+    offset = torch.arange(int(slots.sum())) - (torch.cumsum(slots, 0) - slots)[request]
+    length = lengths[request]
+    valid = offset < length
+    flat_columns = torch.tensor([c for cols in columns for c in cols] or [0])
+    token = (torch.cumsum(lengths, 0) - lengths)[request] + torch.minimum(
+        offset, (length - 1).clamp(min=0))
+    column = flat_columns[token.clamp(max=flat_columns.numel() - 1)]
+    flat = torch.tensor(rows)[request] * width + column
+    return flat.to(device, non_blocking=True), valid.to(device, non_blocking=True)
+
+
+def gather_pages(cache: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor],
+                 page_size: int) -> torch.Tensor:
+    """``[pages, page_size, heads, dim]`` from an engine cache ``[batch, heads, columns,
+    dim]``: one gather at :func:`page_slots`'s slots, unused slots zero (equal to
+    :func:`fill_pages` of each request's live columns)."""
+    flat, valid = slots
+    batch, heads, columns, dim = cache.shape
+    picked = cache.transpose(1, 2).reshape(batch * columns, heads, dim).index_select(0, flat)
+    picked = torch.where(valid[:, None, None], picked, picked.new_zeros(()))
+    return picked.reshape(-1, page_size, heads, dim)
 
 
 def fill_pages(tokens: list[torch.Tensor], page_size: int) -> torch.Tensor:
