@@ -69,3 +69,19 @@ def test_cuda_copies_land_in_the_ring_and_give_it_back() -> None:
     assert torch.equal(got["ids"], ids.cpu()) and got["scale"] == 0.5
     copies.release()
     assert ring.held == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_keep_the_bytes_the_engine_overwrites_next() -> None:
+    # The copies are queued on the engine's stream without waiting: an engine that writes
+    # its tensor right after the capture must not change what was captured.
+    from enginetap.capture.copy import HostCopies
+
+    x = torch.randn(2048, 4096, device="cuda")
+    before = x.cpu()
+    copies = HostCopies.of({"x": x}, ring_bytes=1 << 28)
+    for _ in range(20):  # queued behind the capture on the engine's stream
+        x.mul_(3.0).add_(1.0)
+    got = copies.wait()
+    assert torch.equal(got["x"], before)
+    copies.release()
