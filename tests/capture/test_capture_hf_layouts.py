@@ -8,7 +8,9 @@ from enginetap.engines.hf.probes.common import (
     column_ranges,
     end_aligned,
     fill_pages,
+    gather_pages,
     pack_pages,
+    page_slots,
     visible_columns,
 )
 
@@ -26,6 +28,23 @@ def test_packed_pages_give_back_each_requests_tokens_in_order():
         ids = pages.indices[pages.indptr[b]:pages.indptr[b + 1]].long()
         got = cache[ids].reshape(-1, 2, 4)[:lengths[b]]
         assert torch.equal(got, expected)
+
+
+def test_one_gather_pages_a_dense_cache_as_the_per_request_copies_do():
+    # the decode adapter's vectorised paging (once per step, one gather per layer) against
+    # the per-request copies: runs, a gap, one token, a whole row; unused slots zero
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, width, dim, page_size = 4, 3, 37, 5, 16
+    cache = torch.randn(batch, heads, width, dim, generator=gen)
+    columns = [list(range(17, 37)), [36], [3, 4, 9, 10, 11, 36], list(range(37))]
+    rows = [0, 2, 1, 3]
+    pages = pack_pages([len(c) for c in columns], page_size)
+    got = gather_pages(cache, page_slots(pages, columns, rows, width, page_size,
+                                         cache.device), page_size)
+    expected = fill_pages([cache[r, :, c].transpose(0, 1) for r, c in zip(rows, columns)],
+                          page_size)
+    assert got.shape == expected.shape == (7, page_size, heads, dim)
+    assert torch.equal(got, expected)
 
 
 def test_left_padded_prefix_and_suffix_columns_are_end_aligned():

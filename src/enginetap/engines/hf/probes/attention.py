@@ -210,7 +210,7 @@ class _Paged:
         # on the device once per step (indexing with a Python list waits for the device)
         self.rows = torch.tensor(rows).to(device, non_blocking=True)
         self.pages = pack_pages([len(c) for c in live.columns], page_size)
-        self.slots = page_slots(live.columns, rows, columns, page_size, device)
+        self.slots = page_slots(self.pages, live.columns, rows, columns, page_size, device)
         indptr = self.pages.indptr.tolist()
         self.notes = [f"paged cache: the engine's dense padded cache compacted to each "
                       f"request's live columns, packed into fresh {page_size}-token pages "

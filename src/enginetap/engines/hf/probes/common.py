@@ -136,16 +136,15 @@ def pack_pages(lengths: list[int], page_size: int) -> Pages:
                  torch.tensor(last, dtype=torch.int32), [])
 
 
-def page_slots(columns: list[list[int]], rows: list[int], width: int, page_size: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where every slot of :func:`pack_pages`'s pages comes from, for requests whose live
-    tokens are ``columns[i]`` of batch row ``rows[i]`` of a ``[batch, width, ...]`` tensor:
-    ``(flat index into batch * width, valid)`` on ``device``, one entry per slot (unused
-    slots of last pages repeat a live token and are not valid). A few vectorised ops, once
-    per step: the same for every layer."""
+def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], width: int,
+               page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every slot of ``pages`` (:func:`pack_pages` of the requests' lengths) comes
+    from, for requests whose live tokens are ``columns[i]`` of batch row ``rows[i]`` of a
+    ``[batch, width, ...]`` tensor: ``(flat index into batch * width, valid)`` on
+    ``device``, one entry per slot (unused slots of last pages repeat a live token and are
+    not valid). A few vectorised ops, once per step: the same for every layer."""
     lengths = torch.tensor([len(c) for c in columns])
-    slots = lengths.clamp(min=1).add(page_size - 1).div(page_size, rounding_mode="floor")
-    slots *= page_size
+    slots = pages.indptr.diff().long() * page_size
     request = torch.repeat_interleave(torch.arange(len(columns)), slots)
     offset = torch.arange(int(slots.sum())) - (torch.cumsum(slots, 0) - slots)[request]
     length = lengths[request]
