@@ -82,12 +82,8 @@ class RecordSink:
     def drain(self) -> None:
         """Write everything submitted (waits for a write in progress on another thread)."""
         while self._written < self._submitted:
-            if self._lock.acquire(blocking=False):
-                try:
-                    self._write_pending()
-                finally:
-                    self._lock.release()
-            else:
+            self.pump()
+            if self._written < self._submitted:  # another thread is writing
                 time.sleep(0.002)
 
     @property
