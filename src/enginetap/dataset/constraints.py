@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
+from enginetap.core.pysource import parse as parse_source
+
 __all__ = [
     "MAX_CONSTRAINTS", "MAX_DEPTH", "MAX_EXPRESSION_CHARS", "MAX_NODES", "ConstraintError",
     "evaluate", "parse", "quote", "violations",
@@ -74,7 +76,7 @@ def parse(expression: str) -> ast.Expression:
         raise ConstraintError(f"it is {len(expression)} characters long, more than the "
                               f"limit of {MAX_EXPRESSION_CHARS}")
     try:
-        tree = ast.parse(expression, mode="eval")
+        tree = parse_source(expression, mode="eval")
     except SyntaxError as exc:
         raise ConstraintError(f"not an expression ({exc.msg})") from None
     except (MemoryError, RecursionError):  # CPython's parser gives up on deep nesting so

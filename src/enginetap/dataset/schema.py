@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from enginetap.core.pysource import parse as parse_source
 from enginetap.dataset.constraints import MAX_CONSTRAINTS, ConstraintError, parse, quote
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -88,7 +89,7 @@ class Definition(_Model):
             raise ValueError(f"reference: {len(self.reference)} characters, more than the "
                              f"limit of {MAX_REFERENCE_CHARS}")
         try:
-            tree = ast.parse(self.reference)
+            tree = parse_source(self.reference)
         except SyntaxError as exc:
             raise ValueError(f"reference: not valid Python ({exc.msg}, line {exc.lineno})"
                              ) from None

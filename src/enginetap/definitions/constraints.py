@@ -15,6 +15,8 @@ import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from enginetap.core.pysource import parse
+
 __all__ = ["broken_constraints"]
 
 _BINARY: dict[type, Callable[[int, int], int]] = {
@@ -40,7 +42,7 @@ def broken_constraints(constraints: Iterable[str], consts: Mapping[str, int]) ->
     broken = []
     for rule in constraints:
         try:
-            ok = _eval(ast.parse(rule, mode="eval").body, consts)
+            ok = _eval(parse(rule, mode="eval").body, consts)
         except (_Unsupported, SyntaxError, ZeroDivisionError):
             continue
         if not ok:
