@@ -237,3 +237,50 @@ def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
     assert labelled and all(r.notes["requests"][k].get("profile") == "mooncake-tiny"
                             for r in labelled for k in r.request_ids)
     assert replay_dataset(tmp_path / "ds", progress=False).ok
+
+
+def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
+    """Outside selected steps the probes' and the module scope's gates are shut: wrapt
+    calls the engine's functions directly, so no wrapper of ours runs (the scope names
+    no module); on selected steps both run. With tap armed too, the scope runs on every
+    step (tap needs it) while capture's probes stay shut on unselected steps."""
+    from enginetap.core.scope import current_module
+
+    seen: dict[tuple[int, str], set[bool]] = {}
+
+    def spy(module, args):
+        from enginetap.core.context import current_step
+
+        step = current_step()
+        if step is not None:
+            seen.setdefault((step.step, step.mode), set()).add(current_module() is not None)
+
+    for capabilities in (["capture"], ["capture", "tap"]):
+        seen.clear()
+        config = _armed(tmp_path / "-".join(capabilities), policy="prefill-only")
+        config = config.model_copy(update={"capabilities": capabilities})
+        engine = HFEngine.from_builtin("llama", arm=config)
+        runtime = engine.arming.context.notes["capture"]
+        handles = [m.register_forward_pre_hook(spy) for m in engine.model.modules()
+                   if type(m).__name__.endswith("MLP")]
+        gates: list[tuple[str, bool]] = []
+
+        def gate_at_begin(step, runtime=runtime, gates=gates):  # after capture's listener
+            gates.append((step.mode, runtime.gate.is_open))
+
+        subscribe(on_begin=gate_at_begin)
+        try:
+            engine.generate(_requests(new=4))
+        finally:
+            for handle in handles:
+                handle.remove()
+            unsubscribe(gate_at_begin)
+            disarm()
+        modes = {mode for _, mode in seen}
+        assert modes == {"prefill", "decode"}
+        for (_, mode), inside in seen.items():
+            if mode == "prefill" or "tap" in capabilities:
+                assert inside == {True}, (capabilities, mode)
+            else:
+                assert inside == {False}, (capabilities, mode)
+        assert gates and all(is_open == (mode == "prefill") for mode, is_open in gates), gates

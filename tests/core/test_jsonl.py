@@ -40,3 +40,17 @@ def test_a_file_is_started_afresh_once_per_process_then_shared(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "x-rank0.jsonl").read_text().splitlines()]
     assert [("a" in l, "b" in l) for l in lines] == [(True, False), (False, True)]
     assert context.step_number() == -1
+
+
+def test_fast_lines_equal_json_lines_and_fall_back_where_orjson_cannot():
+    from enginetap.core.jsonl import encode_line
+
+    step = _step(7)
+    step.sampled = {"a": 3}
+    step.extra = {"shape": (2, 1), "path": context}  # a tuple; an object written as str
+    record = {"step": 7, "rank": 0, **step.to_json()}
+    plain = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+    assert encode_line(record) == plain
+    assert encode_line(record, fast=True) == plain
+    huge = {"n": 1 << 70, "s": "\u00e9"}  # beyond 64 bits: orjson refuses, json writes it
+    assert encode_line(huge, fast=True) == json.dumps(huge, separators=(",", ":")) + "\n"

@@ -195,3 +195,26 @@ def test_errors_meant_for_the_caller_pass_through():
         with pytest.raises(Refused, match="stop the run"):
             norm(x)
         assert ps.errors() == []
+
+
+def test_a_shut_gate_calls_the_original_and_an_open_one_the_wrapper():
+    from enginetap.core.patching import Gate
+
+    norm, x = _norm()
+    expected = norm(x)
+    seen = []
+
+    def spy(wrapped, instance, args, kwargs):
+        seen.append(instance)
+        return wrapped(*args, **kwargs)
+
+    gate = Gate(is_open=False)
+    with PatchSet("t", [Patch(Target.parse(RMS), spy, gate)]):
+        assert torch.equal(norm(x), expected) and seen == []  # shut: the wrapper never ran
+        gate.open()
+        assert torch.equal(norm(x), expected) and seen == [norm]
+        gate.shut()
+        norm(x)
+        assert seen == [norm]
+    norm(x)  # uninstalled: the class holds the original again
+    assert seen == [norm] and not hasattr(vars(llama.LlamaRMSNorm)["forward"], "__wrapped__")

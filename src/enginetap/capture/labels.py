@@ -46,11 +46,18 @@ class RequestLabels:
         self._direct.update(labels)
 
     def get(self, key: str) -> dict[str, Any]:
+        """``key``'s labels, the file re-read first if it changed."""
         if key not in self._direct:
-            self._refresh()
+            self.refresh()
+        return self.peek(key)
+
+    def peek(self, key: str) -> dict[str, Any]:
+        """``key``'s labels as last read (no look at the file: for per-row loops on the
+        engine's hot path, after one :meth:`refresh` per step)."""
         return self._direct.get(key) or self._from_file.get(key) or {}
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Re-read the file if its modification time changed (one ``stat`` otherwise)."""
         if self.path is None:
             return
         try:

@@ -42,8 +42,16 @@ class Selector:
     per_definition: Counter = field(default_factory=Counter)
     skipped_steps: int = 0
 
+    def __post_init__(self) -> None:
+        picks = self.policy.decode_steps
+        self._numbered = frozenset(p for p in picks if isinstance(p, int))
+        self._middle, self._last = "middle" in picks, "last" in picks
+
     def on_begin(self, step: Step) -> None:
-        """Decide whether ``step`` is selected (a step listener)."""
+        """Decide whether ``step`` is selected (a step listener). Runs on every step, so
+        it costs one look at the labels file and a few dict reads per request."""
+        if self._middle or self._last:
+            self.labels.refresh()
         self.selected_step = step.step if self._wanted(step) else None
         if self.selected_step is None:
             self.skipped_steps += 1
@@ -73,15 +81,16 @@ class Selector:
 
     def _pick(self, key: str) -> bool:
         index = self.decode_index[key]
-        picks = self.policy.decode_steps
-        if index in picks:
+        if index in self._numbered:
             return True
-        output = self.labels.get(key).get("output_tokens")
+        if not (self._middle or self._last):
+            return False
+        output = self.labels.peek(key).get("output_tokens")
         if not isinstance(output, int) or output < 2:
             return False
         decodes = output - 1  # the first output token comes from the prefill step
-        return (("middle" in picks and index == (decodes - 1) // 2)
-                or ("last" in picks and index == decodes - 1))
+        return ((self._middle and index == (decodes - 1) // 2)
+                or (self._last and index == decodes - 1))
 
     def variant(self, step: Step, layer: str) -> Variant:
         rows = step.rows

@@ -107,8 +107,9 @@ class Arming:
             installed so far is uninstalled before the error propagates.
         """
         names = self.registry.order(self.config.capabilities)
+        dependents = {n: [m for m in names if n in self.registry.get(m).needs] for n in names}
         self.context = ArmContext(self.config, names, self.options, self.hooks,
-                                  self.rank, self.world_size)
+                                  self.rank, self.world_size, dependents=dependents)
         set_current_arming(self.context)
         try:
             for name in names:

@@ -208,6 +208,8 @@ class ArmContext:
     rank: int = 0
     world_size: int = 1
     notes: dict[str, Any] = field(default_factory=dict)
+    dependents: dict[str, list[str]] = field(default_factory=dict)
+    """For each armed capability, the armed capabilities that need it."""
 
     @property
     def out_dir(self) -> Path:

@@ -159,10 +159,13 @@ class Step:
     def to_json(self) -> dict[str, Any]:
         # Shallow: the row lists go to json as they are (dataclasses.asdict would copy every
         # element, tens of milliseconds on a large prefill).
-        rows = {f.name: getattr(self.rows, f.name) for f in fields(StepRows)}
-        return {f.name: (rows if f.name == "rows" else getattr(self, f.name))
-                for f in fields(self) if not f.name.startswith("_")}
+        rows = {name: getattr(self.rows, name) for name in _ROWS_FIELDS}
+        return {name: (rows if name == "rows" else getattr(self, name))
+                for name in _STEP_FIELDS}
 
+
+_ROWS_FIELDS = tuple(f.name for f in fields(StepRows))
+_STEP_FIELDS = tuple(f.name for f in fields(Step) if not f.name.startswith("_"))
 
 Listener = Callable[[Step], None]
 

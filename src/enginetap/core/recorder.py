@@ -32,7 +32,8 @@ class StepRecorder:
     """
 
     def __init__(self, out_dir: Path, rank: int, request_filter: str = "") -> None:
-        self._writer = RankJsonl(Path(out_dir) / STEPS_FILE, rank)
+        # fast: a step's record is ints and strings, written on the engine's thread
+        self._writer = RankJsonl(Path(out_dir) / STEPS_FILE, rank, fast=True)
         self.path = self._writer.path
         self.request_filter = request_filter
 
@@ -56,7 +57,8 @@ class StepRecorder:
         if not len(rows):
             return
         try:
-            self._writer.write(replace(step, rows=rows).to_json(), step=step.step)
+            self._writer.write((step if rows is step.rows else replace(step, rows=rows)
+                                ).to_json(), step=step.step)
         except OSError as exc:
             context.unsubscribe(self.write)
             logger.error("enginetap: cannot write %s (%s); step recording stops, the engine "

@@ -6,6 +6,11 @@ which layer a workload came from, tap names its checkpoints with it.
 :func:`current_module` is the innermost sublayer whose ``forward`` is running; it is kept
 by wrappers on the sublayer classes, installed by the ``scope`` capability.
 
+The wrappers run only while someone needs them (:class:`ScopeUse`): a capability that
+needs the scope on some steps only (capture, on its selected steps) says so, and on the
+other steps the wrappers' gate is shut (the engine's own ``forward`` runs, called by wrapt
+directly).
+
 Which classes are sublayers is data per engine (:class:`SublayerSpec`: class-name suffixes
 for transformers, class paths for vLLM), resolved by one function, :func:`sublayer_classes`.
 Patching the class (never the instance) keeps enginetap off the engine's objects.
@@ -22,9 +27,10 @@ from weakref import WeakKeyDictionary
 from pydantic import BaseModel, ConfigDict
 
 from enginetap.core.capability import ArmContext, Capability, InstallResult
-from enginetap.core.patching import PatchSet, ResolveError, resolve
+from enginetap.core.patching import Gate, PatchSet, ResolveError, resolve
 
-__all__ = ["SCOPE", "SCOPE_CAPABILITY", "ModuleScope", "ScopeOptions", "SublayerSpec", "current_module", "current_names",
+__all__ = ["SCOPE", "SCOPE_CAPABILITY", "ModuleScope", "ScopeOptions", "ScopeUse", "SublayerSpec",
+           "current_module", "current_names",
            "install_scope", "short_name", "sublayer_classes", "sublayer_targets"]
 
 _ALIASES = {"self_attn": "attn", "attention": "attn", "self_attention": "attn",
@@ -139,18 +145,50 @@ def _enter_module(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
         _STACK.pop()
 
 
+class ScopeUse:
+    """Who needs the scope's wrappers, and when; they run while anyone does.
+
+    Every armed capability that needs ``scope`` needs it on every step unless it calls
+    :meth:`part_time`; from then on it needs it only between its ``need(name, True)``
+    and ``need(name, False)`` (capture: on its selected steps). With no such capability
+    armed (``scope`` asked for by itself) the wrappers always run.
+    """
+
+    def __init__(self, consumers: Iterable[str], gate: Gate) -> None:
+        self._always = set(consumers) or {"scope"}
+        self._part: dict[str, bool] = {}
+        self.gate = gate
+        self._update()
+
+    def part_time(self, consumer: str) -> None:
+        """``consumer`` needs the scope only when it says so (not until then)."""
+        self._always.discard(consumer)
+        self._part[consumer] = False
+        self._update()
+
+    def need(self, consumer: str, needed: bool) -> None:
+        """Part-time ``consumer`` needs the scope from now on (True) or no more (False)."""
+        if consumer in self._part and self._part[consumer] is not needed:
+            self._part[consumer] = needed
+            self._update()
+
+    def _update(self) -> None:
+        self.gate.set(bool(self._always) or any(self._part.values()))
+
+
 @dataclass
 class _ScopeInstall:
     """What the ``scope`` capability installed: wrappers on sublayer classes."""
 
     patches: PatchSet = field(default_factory=lambda: PatchSet("scope"))
     targets: set[str] = field(default_factory=set)
+    gate: Gate = field(default_factory=Gate)
 
     def add_model(self, model: Any, targets: Iterable[str]) -> None:
         SCOPE.register(model)
         new = [t for t in dict.fromkeys(targets) if t not in self.targets]
         self.targets.update(new)
-        self.patches.install_more((t, _enter_module) for t in new)
+        self.patches.install_more(((t, _enter_module) for t in new), self.gate)
 
     def uninstall(self) -> None:
         self.patches.uninstall()
@@ -167,6 +205,7 @@ class ScopeOptions(BaseModel):
 def install_scope(context: ArmContext) -> InstallResult:
     """The ``scope`` capability: register each loaded model and wrap its sublayers."""
     installed = _ScopeInstall()
+    context.notes["scope"] = ScopeUse(context.dependents.get("scope", ()), installed.gate)
     context.hooks.on_model_loaded(
         lambda model: installed.add_model(model, context.hooks.sublayer_targets(model)))
     return installed, "scope (module names, current sublayer)"

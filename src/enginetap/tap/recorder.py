@@ -25,7 +25,7 @@ from enginetap.core.tensors import capturing
 from enginetap.tap.deferred import DeferredHashes
 from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
-from enginetap.tap.rows import PrefixTracker, row_records, select_rows
+from enginetap.tap.rows import PrefixTracker, fill_late_lengths, row_records, select_rows
 from enginetap.tap.sink import RecordSink
 from enginetap.tap.vectors import VectorDump
 
@@ -158,6 +158,7 @@ class TapRecorder:
             self._clear()
             return
         try:
+            fill_late_lengths(self._rows, step)
             self.sink.submit(self._transfer(step), step.step)
             self.last_checkpoints = len(self.names)
             self.last_deferred = sum(1 for slot in self.slots if slot < 0)

@@ -60,6 +60,19 @@ def _column(values: list[int] | None, i: int) -> int | None:
     return None if values is None else values[i]
 
 
+def fill_late_lengths(records: list[dict[str, Any]], step: Step) -> None:
+    """Valid lengths an engine fills only when the step's forward is done (the built-in
+    engine on a GPU: reading them earlier would stop the host for the device), copied
+    into records picked before that."""
+    rows = step.rows
+    for record in records:
+        i = record["row"]
+        if record["query_len"] is None:
+            record["query_len"] = _column(rows.query_lens, i)
+        if record["seq_len"] is None:
+            record["seq_len"] = _column(rows.seq_lens, i)
+
+
 def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> list[dict[str, Any]]:
     """The metadata of each tapped row, as written to the tap file (per-group slots
     only where the engine has several cache groups of a kind)."""

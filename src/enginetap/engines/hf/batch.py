@@ -22,7 +22,9 @@ Step rows, per token the step computes (pads are never rows):
 - ``planned_tokens``: the tokens the plan gives the request this step (its suffix in
   prefill, 1 in decode); ``query_lens`` and ``seq_lens`` (:func:`fill_valid_lengths`, when
   the engine is armed): its valid columns in this step's inputs and in the whole attention
-  mask, read from the mask the model is given.
+  mask, read from the mask the model is given (filled when the step's forward and sampling
+  are done, before its end listeners run: reading them earlier would make the host wait
+  for the device).
 
 ``rows.token_index`` gives each row's flat index into the forward's ``input_ids``
 (``row * columns + column``), so a tap can pick the row out of a ``[batch, columns, ...]``
@@ -40,7 +42,8 @@ from enginetap.core.context import StepRows
 from enginetap.engines.hf.prefix import LayerKV
 from enginetap.engines.hf.requests import FinishReason, Request
 
-__all__ = ["Plan", "Sequence", "fill_valid_lengths", "plan_decode", "plan_prefill"]
+__all__ = ["Plan", "Sequence", "fill_valid_lengths", "plan_decode", "plan_prefill",
+           "read_valid_lengths"]
 
 
 @dataclass(eq=False)
@@ -104,12 +107,30 @@ class _Rows:
                         token_index=self.index, planned_tokens=self.planned)
 
 
-def fill_valid_lengths(rows: StepRows, mask: torch.Tensor, columns: int) -> None:
-    """``rows.query_lens`` and ``rows.seq_lens`` from the attention ``mask`` the model is
-    given (its last ``columns`` are this step's inputs; a row's batch row is its token
-    index // columns)."""
-    valid = torch.stack([mask[:, mask.shape[1] - columns:].sum(1), mask.sum(1)]).tolist()
+def read_valid_lengths(mask: torch.Tensor, columns: int) -> torch.Tensor:
+    """Per batch row, the valid columns of the attention ``mask`` the model is given in
+    this step's inputs (its last ``columns``) and in all: a ``[2, batch]`` host tensor.
+
+    On a GPU the copy to the host is queued without waiting (into pinned memory), so the
+    engine's host thread does not stop for the device before the forward; read it with
+    :func:`fill_valid_lengths` after the step synchronized (its sampling does)."""
+    valid = torch.stack([mask[:, mask.shape[1] - columns:].sum(1), mask.sum(1)])
+    if valid.device.type == "cpu":
+        return valid
+    host = torch.empty(valid.shape, dtype=valid.dtype, pin_memory=True)
+    host.copy_(valid, non_blocking=True)
+    return host
+
+
+def fill_valid_lengths(rows: StepRows, valid: torch.Tensor, columns: int,
+                       ready: torch.cuda.Event | None = None) -> None:
+    """``rows.query_lens`` and ``rows.seq_lens`` from :func:`read_valid_lengths`
+    (``ready``: an event recorded after its copy was queued; waited for first). A row's
+    batch row is its token index // columns."""
+    if ready is not None:
+        ready.synchronize()
     assert rows.token_index is not None
+    valid = valid.tolist()
     batch = [i // columns for i in rows.token_index]
     rows.query_lens = [valid[0][b] for b in batch]
     rows.seq_lens = [valid[1][b] for b in batch]

@@ -22,7 +22,7 @@ from enginetap.config import ArmConfig
 from enginetap.core.context import Mode, Step, publish
 from enginetap.engines.hf.arming import arm as arm_process
 from enginetap.engines.hf.batch import (Plan, Sequence, fill_valid_lengths, plan_decode,
-                                        plan_prefill)
+                                        plan_prefill, read_valid_lengths)
 from enginetap.engines.hf.prefix import LayerKV, PrefixCache
 from enginetap.engines.hf.requests import Completion, Request, prompt_ids_of
 from enginetap.engines.hf.sampling import new_generator, pick
@@ -173,8 +173,13 @@ class HFEngine:
     def _step(self, mode: Mode, plan: Plan, past: Any, seqs: list[Sequence],
               reused: int) -> tuple[list[Sequence], torch.Tensor, Any]:
         """One published step: the forward, then sampling (the step ends after it)."""
+        columns = plan.input_ids.shape[1]
+        valid = ready = None
         if self.arming is not None:  # valid lengths cost a read of the mask: armed only
-            fill_valid_lengths(plan.rows, plan.attention_mask, plan.input_ids.shape[1])
+            valid = read_valid_lengths(plan.attention_mask, columns)
+            if valid.is_pinned():
+                ready = torch.cuda.Event()
+                ready.record()
         step = Step(ENGINE, self._steps, mode, plan.rows,
                     padded_tokens=plan.input_ids.numel(),
                     extra={"input_shape": list(plan.input_ids.shape)})
@@ -187,6 +192,8 @@ class HFEngine:
                 self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
             alive, mask = self._advance(seqs, out.logits[:, -1, :], cache, plan.attention_mask)
             step.sampled = {s.request.request_id: s.output[-1] for s in seqs}
+            if valid is not None:  # sampling waited for the device: the copy is done
+                fill_valid_lengths(plan.rows, valid, columns, ready)
         self._steps += 1
         return alive, mask, cache
 
