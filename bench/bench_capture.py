@@ -35,7 +35,7 @@ import torch
 
 from enginetap.capture import copy as capture_copy
 from enginetap.config import ArmConfig
-from enginetap.core.context import subscribe, unsubscribe
+from enginetap.core.context import _CTX, subscribe, unsubscribe
 from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
 
@@ -83,6 +83,8 @@ def _decode_steps(engine: HFEngine, requests: list[Request]
             copied.append(capture_copy.STATS.bytes - b0)
 
     subscribe(on_begin=begin, on_end=end)
+    # the step's clock starts before any other listener's work and stops after it
+    _CTX.on_begin.insert(0, _CTX.on_begin.pop())
     try:
         done = engine.generate(requests)
     finally:
@@ -91,13 +93,118 @@ def _decode_steps(engine: HFEngine, requests: list[Request]
     return times, copied, [c.output_ids for c in done]
 
 
+LISTENERS = {"seconds": 0.0, "steps": 0}
+
+
+def _time_listeners() -> None:
+    """Count the host time spent in step listeners (the bench's own two included: they
+    are the same in every variant), per published step."""
+    from enginetap.core import context as step_context
+
+    original = step_context._notify
+
+    def notify(listeners, step) -> None:
+        start = time.perf_counter()
+        try:
+            original(listeners, step)
+        finally:
+            LISTENERS["seconds"] += time.perf_counter() - start
+            LISTENERS["steps"] += listeners is step_context._CTX.on_end
+
+    step_context._notify = notify
+
+
+def calls_per_step(model: Any, requests: list[Request]) -> float:
+    """Wrapper calls a decode step makes with every gate open (every decode step selected):
+    the calls that, on an unselected step, pass a shut gate instead."""
+    from enginetap.core.patching import Patch
+
+    original = Patch._call
+    counts = {"calls": 0}
+
+    def counted(self, wrapped, instance, args, kwargs):
+        counts["calls"] += 1
+        return original(self, wrapped, instance, args, kwargs)
+
+    per_step: list[int] = []
+
+    def begin(step) -> None:
+        counts["calls"] = 0
+
+    def end(step) -> None:
+        if step.mode == "decode":
+            per_step.append(counts["calls"])
+
+    Patch._call = counted  # type: ignore[method-assign]
+    subscribe(on_begin=begin, on_end=end)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            engine = HFEngine.from_loaded(model, arm=_config(Path(tmp), EVERY_DECODE))
+            try:
+                engine.generate(requests[:2])
+            finally:
+                disarm()
+    finally:
+        Patch._call = original  # type: ignore[method-assign]
+        unsubscribe(begin)
+        unsubscribe(end)
+    return statistics.median(per_step)
+
+
+def gated_call_seconds(device: str) -> float:
+    """What one call through a shut gate adds to a module call (wrapt, C only), measured
+    side by side on a small module: the unselected steps' per-call price."""
+    import wrapt
+
+    from enginetap.core.patching import Gate
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Gated(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    gate = Gate(is_open=False)
+    Gated.forward = wrapt.FunctionWrapper(vars(Gated)["forward"],
+                                          lambda w, i, a, k: w(*a, **k), enabled=gate.check)
+    plain, gated, x = Plain(), Gated(), torch.zeros(1, device=device)
+    best = {}
+    for name, module in (("plain", plain), ("gated", gated)) * 3:
+        start = time.perf_counter()
+        for _ in range(20000):
+            module(x)
+        took = (time.perf_counter() - start) / 20000
+        best[name] = min(best.get(name, took), took)
+    return max(0.0, best["gated"] - best["plain"])
+
+
 BUDGET = {"bytes": 1 << 30}
+HOLD = {"writer": False}
 
 
-def _config(out: Path, policy) -> ArmConfig:
+def _hold_writer_until_close() -> None:
+    """Diagnostic (``--held-writer``): in the variant that asks for it, the capture writer
+    thread starts writing only when the run ends (the budget must hold the whole run), so
+    the selected steps run without the writer's work beside them in the process."""
+    from enginetap.capture.writer import Writer
+
+    original = Writer._run
+
+    def run(self: Writer) -> None:
+        if HOLD["writer"]:
+            while not self._closed:
+                time.sleep(0.01)
+        original(self)
+
+    Writer._run = run  # type: ignore[method-assign]
+
+
+def _config(out: Path, policy, **capture: Any) -> ArmConfig:
     return ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
                      options={"capture": {"dataset": str(out / "ds"), "policy": policy,
-                                          "budget_bytes": BUDGET["bytes"]}})
+                                          "budget_bytes": BUDGET["bytes"], **capture}})
 
 
 EVERY_DECODE = {"name": "bench-every-decode", "prefill": False,
@@ -113,7 +220,17 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     # "disarmed again" shows the spread between two identical variants in this run
     results: dict[str, list[float]] = {"disarmed": [], "unselected": [], "selected": [],
                                        "disarmed again": []}
+    if args.only:
+        results = {v: t for v, t in results.items()
+                   if v in args.only.split(",") or v in ("disarmed", "unselected")}
+    if args.held_writer:
+        results["selected, writer held"] = []
+    if args.python_switch:
+        results["selected, 5 ms switch"] = []
     copied: list[int] = []
+    held_copied: list[int] = []
+    listener_s: dict[str, list[float]] = {}
+    switch_copied: list[int] = []
     tokens: dict[str, list] = {v: [] for v in results}
     batches: dict[str, list] = {v: [] for v in results}
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,11 +238,19 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for round_ in range(args.rounds):
             # rotate the order each round: no variant always runs first (or after another)
             for variant in names[round_ % len(names):] + names[:round_ % len(names)]:
-                policy = {"unselected": "prefill-only", "selected": EVERY_DECODE}.get(variant)
+                policy = {"unselected": "prefill-only", "selected": EVERY_DECODE,
+                          "selected, writer held": EVERY_DECODE,
+                          "selected, 5 ms switch": EVERY_DECODE}.get(variant)
+                extra = {"switch_interval_s": 0.0} if variant == "selected, 5 ms switch" else {}
+                HOLD["writer"] = variant == "selected, writer held"
                 out = Path(tmp) / f"{variant}-{round_}"
-                engine = HFEngine.from_loaded(model, arm=_config(out, policy) if policy else None)
+                engine = HFEngine.from_loaded(
+                    model, arm=_config(out, policy, **extra) if policy else None)
                 try:
+                    LISTENERS.update(seconds=0.0, steps=0)
                     times, sizes, batch_out = _decode_steps(engine, requests)
+                    listener_s.setdefault(variant, []).append(
+                        LISTENERS["seconds"] / max(1, LISTENERS["steps"]))
                     done = [c.output_ids for c in engine.generate(requests[:1])]
                 finally:
                     disarm()
@@ -142,12 +267,23 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 results[variant] += times[1:]  # the first decode step warms caches
                 if variant == "selected":
                     copied += sizes[1:]
+                if variant == "selected, writer held":
+                    held_copied += sizes[1:]
+                if variant == "selected, 5 ms switch":
+                    switch_copied += sizes[1:]
     base = statistics.median(results["disarmed"])
     table = {v: {"median_ms": statistics.median(t) * 1e3,
                  "ratio": statistics.median(t) / base} for v, t in results.items()}
-    table["selected"]["bytes_per_step"] = statistics.median(copied)
-    extra = statistics.median(results["selected"]) - base
-    table["selected"]["copy_gb_per_s"] = statistics.median(copied) / max(extra, 1e-9) / 1e9
+    for variant, sizes in (("selected", copied), ("selected, writer held", held_copied),
+                           ("selected, 5 ms switch", switch_copied)):
+        if sizes:
+            extra = statistics.median(results[variant]) - base
+            table[variant]["bytes_per_step"] = statistics.median(sizes)
+            table[variant]["copy_gb_per_s"] = statistics.median(sizes) / max(extra, 1e-9) / 1e9
+    for variant, seconds in listener_s.items():
+        table[variant]["listeners_us"] = statistics.median(seconds) * 1e6
+    table["unselected"]["gated_calls"] = calls_per_step(model, requests)
+    table["unselected"]["gated_call_us"] = gated_call_seconds(args.device) * 1e6
     first = tokens["disarmed"][0]
     first_batch = batches["disarmed"][0]
     for variant, runs in tokens.items():
@@ -197,6 +333,35 @@ def profile_selected(args: argparse.Namespace) -> None:
         finally:
             disarm()
     pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+
+
+def trace_selected(args: argparse.Namespace) -> None:
+    """Host and device time of a run with every decode step selected (torch.profiler):
+    whether the selected step waits for the host or for the device, and on what."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    model, _ = _model(args)
+    requests = _requests(args, model.config.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant, policy in (("disarmed", None), ("selected", EVERY_DECODE)):
+            engine = HFEngine.from_loaded(model, arm=_config(Path(tmp) / variant, policy)
+                                          if policy else None)
+            try:
+                _decode_steps(engine, requests)  # warm: the ring is pinned, caches built
+                with torch_profile(activities=[ProfilerActivity.CPU,
+                                               ProfilerActivity.CUDA]) as prof:
+                    times, _, _ = _decode_steps(engine, requests)
+            finally:
+                disarm()
+            rows = prof.key_averages()
+            steps = len(times)
+            device = sum(r.self_device_time_total for r in rows) / steps / 1e3
+            print(f"\n{variant}: {steps} decode steps, wall {statistics.median(times) * 1e3:.2f} "
+                  f"ms (median, profiled), device busy {device:.2f} ms per step")
+            print(rows.table(sort_by="self_cuda_time_total", row_limit=10,
+                             max_name_column_width=50))
+            print(rows.table(sort_by="self_cpu_time_total", row_limit=15,
+                             max_name_column_width=50))
 
 
 def pinned_d2h_gb_per_s(device: str) -> float:
@@ -267,7 +432,27 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print the host profile (cProfile, own time per function) "
                              "of one run with every decode step selected")
+    parser.add_argument("--trace", action="store_true",
+                        help="only profile (torch.profiler, host and device) one disarmed run "
+                             "and one with every decode step selected")
+    parser.add_argument("--only", default="",
+                        help="comma-separated variants to run besides disarmed and unselected "
+                             "(e.g. 'disarmed again'); default: all")
+    parser.add_argument("--held-writer", action="store_true",
+                        help="diagnostic: add a variant 'selected, writer held' whose writer "
+                             "thread writes only after the run (what the writer's concurrent "
+                             "work costs the engine)")
+    parser.add_argument("--python-switch", action="store_true",
+                        help="diagnostic: add a variant 'selected, 5 ms switch' whose writer "
+                             "leaves the interpreter's switch interval at Python's 5 ms "
+                             "(options.capture.switch_interval_s = 0)")
     args = parser.parse_args()
+    if args.held_writer:
+        _hold_writer_until_close()
+    if args.trace:
+        BUDGET["bytes"] = int(args.budget_gb * (1 << 30))
+        trace_selected(args)
+        return
     if args.deterministic:
         import os
 
@@ -278,6 +463,7 @@ def main() -> None:
     BUDGET["bytes"] = int(args.budget_gb * (1 << 30))
     if args.threads:
         torch.set_num_threads(args.threads)
+    _time_listeners()
     table = measure(args)
     for variant, row in table.items():
         print(f"{variant:>14}: decode step {row['median_ms']:.3f} ms  ratio {row['ratio']:.3f}"
@@ -289,7 +475,17 @@ def main() -> None:
     bandwidth = pinned_d2h_gb_per_s(args.device)
     if bandwidth == bandwidth:
         print(f"pinned device->host bandwidth: {bandwidth:.1f} GB/s; selected-step copy rate "
-              f"{table['selected']['copy_gb_per_s'] / bandwidth:.1%} of it")
+              + "; ".join(f"{table[v]['copy_gb_per_s'] / bandwidth:.1%} of it ({v})"
+                          for v in table if "copy_gb_per_s" in table[v]))
+    unselected, disarmed = table["unselected"], table["disarmed"]
+    listeners = unselected["listeners_us"] - disarmed["listeners_us"]
+    gated = unselected["gated_calls"] * unselected["gated_call_us"]
+    print(f"unselected host work per decode step: step listeners {listeners:.1f} us more "
+          f"than disarmed ({unselected['listeners_us']:.1f} vs {disarmed['listeners_us']:.1f}"
+          f" us, medians); {unselected['gated_calls']:.0f} calls through shut gates x "
+          f"{unselected['gated_call_us']:.3f} us = {gated:.1f} us; in all "
+          f"{listeners + gated:.1f} us = {(listeners + gated) / 1e3 / disarmed['median_ms']:.2%}"
+          f" of the disarmed decode step ({disarmed['median_ms']:.2f} ms)")
     if args.profile:
         profile_selected(args)
     ours, plain = writer_throughput(args.writer_workloads, 64, 4096)

@@ -166,6 +166,37 @@ def test_a_failed_device_check_refuses_the_workload_and_disables_its_probe(
         summary["disabled_probes"][real.name]
 
 
+def test_a_workload_the_dataset_refuses_is_left_out_alone(tmp_path, armed_engine,
+                                                         monkeypatch):
+    """A refused record in a batch of several (an adapter bug: a norm's output lost its
+    last column): only it is left out and its probe disabled; the batch's other workloads
+    are written and capture goes on (the dataset refuses a batch as a whole, the writer
+    then finds which record it was)."""
+    import dataclasses
+
+    from enginetap.engines.hf import probes
+
+    real = next(p for p in probes.PROBES if p.family == "rmsnorm")
+
+    def adapt(call):
+        extracted = real.adapt(call)
+        if extracted is not None:
+            extracted.outputs["output"] = extracted.outputs["output"][..., :-1].contiguous()
+        return extracted
+
+    broken = dataclasses.replace(real, name="test.rmsnorm-cut", adapt=adapt)
+    monkeypatch.setattr(probes, "PROBES", [broken, *[p for p in probes.PROBES if p is not real]])
+    disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
+    engine = armed_engine()
+    assert [c.output_ids for c in engine.generate(_requests())] == disarmed
+    disarm()
+    summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
+    assert summary["refused_by_dataset"] >= 1 and summary["written"] > 0
+    assert not summary["write_error"]
+    assert "storing its workload" in summary["disabled_probes"]["test.rmsnorm-cut"]
+    assert validate_dataset(tmp_path / "ds") == []
+
+
 def test_repeated_kv_heads_are_checked_on_the_device() -> None:
     import torch
 
@@ -284,3 +315,32 @@ def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
             else:
                 assert inside == {False}, (capabilities, mode)
         assert gates and all(is_open == (mode == "prefill") for mode, is_open in gates), gates
+
+
+@pytest.mark.parametrize("interval", [0.0005, 0.0])
+def test_the_writer_lowers_the_switch_interval_only_while_it_works(tmp_path, armed_engine,
+                                                                   interval):
+    import sys
+    import threading
+    import time
+
+    before = sys.getswitchinterval()
+    seen: set[float] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(sys.getswitchinterval())
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        engine = armed_engine(switch_interval_s=interval)
+        engine.generate(_requests())
+        disarm()
+    finally:
+        stop.set()
+        watcher.join()
+    assert sys.getswitchinterval() == before
+    assert seen == ({before, interval} if interval else {before})

@@ -75,6 +75,12 @@ class CaptureOptions(BaseModel):
     (None: ``<out_dir>/capture-labels.json``). Re-read when it changes."""
     batch: int = Field(default=16, ge=1)
     """Workloads the writer commits at once."""
+    switch_interval_s: float = Field(default=0.0005, ge=0.0, le=0.1)
+    """While the writer has work, the interpreter's thread switch interval
+    (``sys.setswitchinterval``) is at most this (0: left alone). The writer's checks and
+    file work are Python, holding the GIL; whenever the engine thread releases it (every
+    torch call does) it then waits up to this long to get it back, instead of Python's
+    default 5 ms. Restored when the writer is idle."""
 
     @field_validator("policy")
     @classmethod

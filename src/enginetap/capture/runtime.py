@@ -73,7 +73,8 @@ class CaptureRuntime:
         if context_.rank == 0:  # rank 0 writes the logical op, rebuilt from every rank
             dataset = Dataset(self.dataset_root, create=True)
             self.writer = Writer(dataset, budget_bytes=options.budget_bytes,
-                                 when_full=options.when_full, batch=options.batch)
+                                 when_full=options.when_full, batch=options.batch,
+                                 switch_interval_s=options.switch_interval_s)
         self.patches = PatchSet("capture")
         self.gate = Gate(is_open=False)
         """Open during selected steps only."""

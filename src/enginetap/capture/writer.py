@@ -6,6 +6,13 @@ bounds what is held in memory: when it is full, ``wait`` blocks the engine until
 catches up, ``drop`` drops the workload and counts it. The writer is flushed and joined by
 :meth:`close`, which the capture runtime calls at exit and on SIGTERM/SIGINT.
 
+The writer's work is Python (checks, safe paths, receipts, JSON) and holds the GIL, which
+the engine thread gives up at every torch call; by default it then waits up to 5 ms (the
+interpreter's switch interval) to get it back. While the writer has work it lowers the
+switch interval to ``switch_interval_s`` and restores it when idle (on the H200, a decode
+step with every call selected: 31.5 ms at 0.5 ms against 35.3 ms at Python's 5 ms;
+BENCHMARKS.md).
+
 A write error (disk full, permission, a refused workload) stops the writer: it is logged
 once with what/why/fix, later workloads are counted as dropped, and the engine serves on.
 One writer thread per dataset: the dataset store enforces it.
@@ -21,6 +28,7 @@ thread only, and the writer and a waiting engine thread poll at millisecond inte
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -31,6 +39,7 @@ from typing import Any
 from enginetap.capture.copy import HostCopies
 from enginetap.dataset import Dataset, WorkloadRecord
 from enginetap.dataset.checks import WorkloadProblems
+from enginetap.dataset.writer import BatchProblems
 from enginetap.dataset.schema import Definition, Receipt
 from enginetap.errors import DatasetError
 
@@ -98,8 +107,10 @@ class Writer:
     """See the module docstring. Raises nothing into the engine thread."""
 
     def __init__(self, dataset: Dataset, *, budget_bytes: int, when_full: str = "wait",
-                 batch: int = 16) -> None:
+                 batch: int = 16, switch_interval_s: float = 0.0) -> None:
         self.dataset = dataset
+        self.switch_interval_s = switch_interval_s
+        self._restore_switch: float | None = None
         self.budget = budget_bytes
         self.when_full = when_full
         self.batch = batch
@@ -145,17 +156,35 @@ class Writer:
 
     def _run(self) -> None:
         idle = _POLL_S
-        while True:
-            items = self._take()
-            if items:
-                self._commit(items)
-                idle = _POLL_S
-            elif self._closed:
-                if not self._pending:  # closed, and nothing arrived since the last look
-                    return
-            else:
-                time.sleep(idle)
-                idle = min(idle * 2, _IDLE_MAX_S)
+        try:
+            while True:
+                items = self._take()
+                if items:
+                    self._busy(True)
+                    self._commit(items)
+                    idle = _POLL_S
+                elif self._closed:
+                    if not self._pending:  # closed, and nothing arrived since the last look
+                        return
+                else:
+                    self._busy(False)
+                    time.sleep(idle)
+                    idle = min(idle * 2, _IDLE_MAX_S)
+        finally:
+            self._busy(False)
+
+    def _busy(self, busy: bool) -> None:
+        """Lower the switch interval while there is work; put it back when idle."""
+        if not self.switch_interval_s:
+            return
+        if busy and self._restore_switch is None:
+            current = sys.getswitchinterval()
+            if current > self.switch_interval_s:
+                self._restore_switch = current
+                sys.setswitchinterval(self.switch_interval_s)
+        elif not busy and self._restore_switch is not None:
+            sys.setswitchinterval(self._restore_switch)
+            self._restore_switch = None
 
     def _take(self) -> list[Item]:
         items: list[Item] = []
@@ -205,7 +234,7 @@ class Writer:
             self.dataset.add_workloads(records)
             self._count(items)
             return
-        except WorkloadProblems as exc:
+        except (WorkloadProblems, BatchProblems) as exc:  # refused records: find which
             if len(items) == 1:
                 self._refuse(items[0], str(exc))
                 return

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from enginetap.dataset.store import Dataset
 
 __all__ = [
-    "ConcurrentWriterError", "WorkloadRecord", "commit", "conflict", "write_failed",
+    "BatchProblems", "ConcurrentWriterError", "WorkloadRecord", "commit", "conflict", "write_failed",
     "writer_slot",
 ]
 
@@ -220,12 +220,12 @@ def _refuse(failures: list[tuple[int, DatasetError]], total: int) -> None:
     for index, exc in failures:
         found = exc.problems if isinstance(exc, ProblemsError) else [str(exc)]
         problems += [f"record {index}: {p}" for p in found]
-    raise _BatchProblems(f"refusing {len(failures)} of {total} workload records", problems,
+    raise BatchProblems(f"refusing {len(failures)} of {total} workload records", problems,
                          "fix or drop the records named; nothing was written")
 
 
-class _BatchProblems(ProblemsError, DatasetError):
-    """Every problem of every refused record of a batch."""
+class BatchProblems(ProblemsError, DatasetError):
+    """Every problem of every refused record of a batch (nothing of it was written)."""
 
 
 def conflict(name: str, where: str) -> DatasetError:

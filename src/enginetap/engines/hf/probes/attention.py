@@ -97,14 +97,31 @@ def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str,
                          f"{kv_heads} kv heads")
     group = heads // kv_heads
     grouped = tensor.unflatten(1, (kv_heads, group))
-    same = grouped.view(torch.uint8) if grouped.stride(-1) == 1 else grouped
-    checks.append(((same == same[:, :, :1]).all(),
+    same = _words(grouped)
+    checks.append(((same[:, :, 1:] == same[:, :, :1]).all(),
                    f"{name}: the engine's {heads} heads are not {kv_heads} kv heads each "
                    f"repeated {group} times (repeat_kv)"))
     if name == "key":
         notes.append(f"kv heads: the engine repeated each of {kv_heads} kv heads {group} times "
                      "(repeat_kv, since a mask is given) before the kernel; one of each kept")
     return grouped[:, :, 0]
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as the widest integer words its rows divide into (bit-exact
+    comparison; a decode step compares whole caches, so 8-byte words make that check
+    an eighth of the elements of a byte view)."""
+    same_size = _INT_OF_SIZE.get(tensor.element_size())
+    for word in (torch.int64, torch.int32, torch.int16):
+        if word.itemsize > tensor.element_size() and tensor.stride(-1) == 1:
+            try:
+                return tensor.view(word)
+            except RuntimeError:  # row bytes or offset not a multiple of the word
+                continue
+    return tensor if same_size is None else tensor.view(same_size)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _Live:
