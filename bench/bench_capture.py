@@ -8,7 +8,8 @@ and disarmed around it):
 
 - ``disarmed``;
 - ``unselected``: capture armed, policy ``prefill-only``: the decode steps measured are
-  never selected (the cost of the probes' checks alone);
+  never selected (the probes' and the scope's gates are shut; the prefill's workloads may
+  still be being written beside them);
 - ``selected``: capture armed, every decode step selected, no per-variant limit (the cost
   of copying every probed call's tensors out, and of the writer keeping up).
 
@@ -16,6 +17,14 @@ Per variant: the median decode-step time (from step begin to step end, sampling 
 and its ratio to disarmed; for ``selected`` also the bytes copied per step and, on a GPU,
 that copy's rate against the measured pinned device→host bandwidth. Then the writer alone:
 workloads of a given size committed per second, against a plain safetensors write.
+
+The host work an unselected step adds is also accounted directly, since step medians
+cannot resolve 1 %: the step listeners' time (measured in the run, per variant) and the
+calls through shut gates (counted with every gate open, priced side by side on a small
+module). Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a
+selected run), ``--held-writer`` (a selected variant whose writer starts only after the
+run), ``--python-switch`` (a selected variant whose writer leaves the switch interval at
+Python's 5 ms), ``--profile`` (cProfile of a selected run), ``--only`` (fewer variants).
 
 ``--width/--layers`` build a Llama-style random-weight model of that size on the device
 (nothing is downloaded); without them ``--model`` is a built-in tiny model.
@@ -227,10 +236,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         results["selected, writer held"] = []
     if args.python_switch:
         results["selected, 5 ms switch"] = []
-    copied: list[int] = []
-    held_copied: list[int] = []
+    copied: dict[str, list[int]] = {v: [] for v in results if v.startswith("selected")}
     listener_s: dict[str, list[float]] = {}
-    switch_copied: list[int] = []
     tokens: dict[str, list] = {v: [] for v in results}
     batches: dict[str, list] = {v: [] for v in results}
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,17 +272,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                                 f"{min(_first_diff(reference[i], batch_out[i]) for i in differ)})"
                                 if differ else ""), flush=True)
                 results[variant] += times[1:]  # the first decode step warms caches
-                if variant == "selected":
-                    copied += sizes[1:]
-                if variant == "selected, writer held":
-                    held_copied += sizes[1:]
-                if variant == "selected, 5 ms switch":
-                    switch_copied += sizes[1:]
+                if variant in copied:
+                    copied[variant] += sizes[1:]
     base = statistics.median(results["disarmed"])
     table = {v: {"median_ms": statistics.median(t) * 1e3,
                  "ratio": statistics.median(t) / base} for v, t in results.items()}
-    for variant, sizes in (("selected", copied), ("selected, writer held", held_copied),
-                           ("selected, 5 ms switch", switch_copied)):
+    for variant, sizes in copied.items():
         if sizes:
             extra = statistics.median(results[variant]) - base
             table[variant]["bytes_per_step"] = statistics.median(sizes)

@@ -4,11 +4,11 @@ For each probe (from the engine's table, :meth:`EngineHooks.capture_probes`) a w
 installed through the patching layer once a model is loaded (class-suffix targets are
 resolved against that model). The wrappers, and the module scope's, run only on selected
 steps: outside them their gate is shut and wrapt calls the engine's function directly
-(a few hundred nanoseconds per call, no Python frame). On every call the wrapper asks, in this order and cheaply:
-is a step published and selected, does the probe fire in this mode and sublayer, is the
-probe still healthy. Only then does it bind the call, instantiate the definition, claim a
-workload slot for the variant, snapshot in-place state, run the engine's call, adapt and
-copy the tensors out, and hand them to the writer.
+(a few hundred nanoseconds per call, no Python frame). On every call the wrapper asks, in
+this order and cheaply: is a step published and selected, does the probe fire in this
+mode and sublayer, is the probe still healthy. Only then does it bind the call,
+instantiate the definition, claim a workload slot for the variant, snapshot in-place
+state, run the engine's call, adapt and copy the tensors out, and hand them to the writer.
 
 A probe that fails (engine changed, adapter bug, a workload the definition refuses) is
 disabled: logged once with what/why/fix, counted in the summary; the engine's call always

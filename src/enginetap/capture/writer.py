@@ -39,8 +39,8 @@ from typing import Any
 from enginetap.capture.copy import HostCopies
 from enginetap.dataset import Dataset, WorkloadRecord
 from enginetap.dataset.checks import WorkloadProblems
-from enginetap.dataset.writer import BatchProblems
 from enginetap.dataset.schema import Definition, Receipt
+from enginetap.dataset.writer import BatchProblems
 from enginetap.errors import DatasetError
 
 logger = logging.getLogger("enginetap.capture")

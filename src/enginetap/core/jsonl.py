@@ -27,7 +27,7 @@ from enginetap.core.ranks import rank_path
 try:  # a tenth of json's encoding time: records are written on the engine's host thread
     import orjson
 except ImportError:  # pragma: no cover - a dependency; json writes the same lines
-    orjson = None
+    orjson = None  # type: ignore[assignment]
 
 __all__ = ["RankJsonl", "close_all", "encode_line"]
 

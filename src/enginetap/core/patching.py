@@ -42,8 +42,8 @@ logger = logging.getLogger("enginetap.patching")
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 
-__all__ = ["Gate", "Patch", "PatchSet", "ReachesCaller", "ResolveError", "Target", "WrapperError",
-           "bind_arguments", "call_signature", "lookup_raw", "resolve"]
+__all__ = ["Gate", "Patch", "PatchSet", "ReachesCaller", "ResolveError", "Target",
+           "WrapperError", "bind_arguments", "call_signature", "lookup_raw", "resolve"]
 
 
 class ReachesCaller(Exception):

@@ -29,9 +29,9 @@ from pydantic import BaseModel, ConfigDict
 from enginetap.core.capability import ArmContext, Capability, InstallResult
 from enginetap.core.patching import Gate, PatchSet, ResolveError, resolve
 
-__all__ = ["SCOPE", "SCOPE_CAPABILITY", "ModuleScope", "ScopeOptions", "ScopeUse", "SublayerSpec",
-           "current_module", "current_names",
-           "install_scope", "short_name", "sublayer_classes", "sublayer_targets"]
+__all__ = ["SCOPE", "SCOPE_CAPABILITY", "ModuleScope", "ScopeOptions", "ScopeUse",
+           "SublayerSpec", "current_module", "current_names", "install_scope", "short_name",
+           "sublayer_classes", "sublayer_targets"]
 
 _ALIASES = {"self_attn": "attn", "attention": "attn", "self_attention": "attn",
             "linear_attn": "gdn", "input_layernorm": "in_norm",

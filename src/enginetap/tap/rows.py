@@ -14,7 +14,7 @@ from typing import Any
 
 from enginetap.core.context import Step
 
-__all__ = ["PrefixTracker", "select_rows", "row_records"]
+__all__ = ["PrefixTracker", "fill_late_lengths", "row_records", "select_rows"]
 
 _PRIME = (1 << 61) - 1
 _BASE = 1_000_003
