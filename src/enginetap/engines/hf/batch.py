@@ -115,8 +115,8 @@ def read_valid_lengths(mask: torch.Tensor, columns: int) -> torch.Tensor:
     engine's host thread does not stop for the device before the forward; read it with
     :func:`fill_valid_lengths` after the step synchronized (its sampling does)."""
     valid = torch.stack([mask[:, mask.shape[1] - columns:].sum(1), mask.sum(1)])
-    if valid.device.type == "cpu":
-        return valid
+    if valid.device.type != "cuda":  # the CPU (or a device without pinned copies)
+        return valid.cpu()
     host = torch.empty(valid.shape, dtype=valid.dtype, pin_memory=True)
     host.copy_(valid, non_blocking=True)
     return host
