@@ -34,7 +34,7 @@ class Region:
 
     def take(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` at ``offset`` bytes into the region."""
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape.numel() * dtype.itemsize
         at = self.start + offset
         return self.ring.buffer[at:at + nbytes].view(dtype).view(shape)
 
