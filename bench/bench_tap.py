@@ -109,7 +109,7 @@ class Loop:
         sync()
         if events:  # device time of the forward, and of what the step's end added after it
             self.device_times = (events[0].elapsed_time(events[1]) / 1e3,
-                           events[1].elapsed_time(events[2]) / 1e3)
+                                 events[1].elapsed_time(events[2]) / 1e3)
         self.length, self.step = self.length + 1, self.step + 1
         return CLOCK() - start
 

@@ -67,8 +67,8 @@ if TYPE_CHECKING:
     from enginetap.dataset.store import Dataset
 
 __all__ = [
-    "BatchProblems", "ConcurrentWriterError", "WorkloadRecord", "commit", "conflict", "write_failed",
-    "writer_slot",
+    "BatchProblems", "ConcurrentWriterError", "WorkloadRecord", "commit", "conflict",
+    "write_failed", "writer_slot",
 ]
 
 
