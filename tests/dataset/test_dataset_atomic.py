@@ -69,3 +69,42 @@ def test_malformed_definition_files_are_named(dataset):
     broken.write_text('{"name": "x"}')
     with pytest.raises(DatasetError, match="broken.json: does not match the schema: op_type"):
         dataset.definition("x")
+
+
+def test_new_bytes_resume_after_short_writes(tmp_path, monkeypatch):
+    """writev may write less than asked (a signal, the 2 GiB per-call limit): the rest is
+    written from where it stopped, across and inside buffers."""
+    import os
+
+    from enginetap.dataset import atomic
+
+    real = os.writev
+    calls = []
+
+    def short(fd, buffers):
+        calls.append(len(buffers))
+        first = bytes(buffers[0])[:3]  # at most 3 bytes per call
+        return real(fd, [first])
+
+    monkeypatch.setattr(atomic.os, "writev", short)
+    chunks = [b"header--", memoryview(bytearray(b"0123456789")), b"", b"tail"]
+    target = tmp_path / "d" / "blob.bin"
+    atomic.write_new_bytes(target, chunks)
+    assert target.read_bytes() == b"header--0123456789tail"
+    assert len(calls) == 9  # 3 + 4 + 2: at most 3 bytes, and only from the first buffer
+    assert files_under(tmp_path) == ["d/blob.bin"]
+    with pytest.raises(DatasetError, match="refusing to overwrite"):
+        atomic.write_new_bytes(target, [b"other"])
+    assert target.read_bytes() == b"header--0123456789tail"
+
+
+def test_new_bytes_failure_leaves_nothing(tmp_path, monkeypatch):
+    from enginetap.dataset import atomic
+
+    def full(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "writev", full)
+    with pytest.raises(OSError, match="No space"):
+        atomic.write_new_bytes(tmp_path / "blob.bin", [b"data"])
+    assert files_under(tmp_path) == []

@@ -118,3 +118,41 @@ def test_loads_onto_a_device(dataset, receipt, copy_inputs):
     loaded = dataset.load_inputs(line, device="cuda")
     assert loaded["x"].is_cuda and same_bits(loaded["x"].cpu(), inputs["x"])
     assert dataset.load_outputs(line, device="cuda")["y"].is_cuda
+
+
+def test_blob_layout_is_safetensors_own_byte_for_byte():
+    """The writer lays blobs out itself (header, then each tensor's memory, one writev):
+    the file must be exactly the one safetensors writes, for every dtype it knows, empty
+    and 0-d tensors included; other dtypes go to safetensors itself."""
+    import random
+
+    import safetensors.torch
+
+    from enginetap.dataset.blobs import blob_chunks, host_tensors
+
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn,
+              torch.int16, torch.float16, torch.bfloat16, torch.int32, torch.float32,
+              torch.float64, torch.int64, torch.float4_e2m1fn_x2]
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    compared = 0
+    for _ in range(150):
+        named = {}
+        for i in range(rng.randint(1, 8)):
+            dtype = rng.choice(dtypes)
+            shape = [rng.randint(0, 5) for _ in range(rng.randint(1 if dtype ==
+                     torch.float4_e2m1fn_x2 else 0, 3))]
+            count = int(torch.tensor(shape).prod()) if shape else 1
+            raw = torch.randint(0, 256, (count * dtype.itemsize,), dtype=torch.uint8,
+                                generator=gen)
+            if dtype == torch.bool:
+                raw = raw % 2
+            named[f"{rng.choice('abcxyz')}{i}"] = raw.view(dtype).reshape(shape)
+        chunks = blob_chunks(host_tensors(named))
+        assert chunks is not None
+        assert b"".join(bytes(c) for c in chunks) == safetensors.torch.save(named)
+        compared += 1
+    assert compared == 150
+    assert blob_chunks({"x": torch.zeros(2, dtype=torch.complex64)}) is None
+    assert blob_chunks({"x": torch.zeros((), dtype=torch.uint8).view(
+        torch.float4_e2m1fn_x2)}) is None

@@ -27,7 +27,7 @@ from enginetap.errors import DatasetError
 
 __all__ = [
     "AlreadyExists", "append_line", "append_lines", "fsync_dir", "fsync_dirs", "make_dirs",
-    "replace_text", "write_new_file", "write_new_text",
+    "replace_text", "write_new_bytes", "write_new_file", "write_new_text",
 ]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -62,6 +62,37 @@ def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool =
         if stat.S_IMODE(os.stat(tmp).st_mode) != mode:
             os.chmod(tmp, mode)  # fill may recreate the file 0600 (safetensors does)
         _sync_file(tmp)
+        if race_free:
+            _place(tmp, path)
+        else:
+            _refuse_existing(path)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def write_new_bytes(path: Path, chunks: Sequence[bytes | memoryview], *,
+                    sync_dir: bool = True, race_free: bool = True) -> None:
+    """Create ``path`` atomically with the concatenation of ``chunks``; the guarantees and
+    options of :func:`write_new_file`, with fewer calls: the temporary file is written
+    through the descriptor that created it (``writev``, the interpreter released) and
+    flushed through it too.
+
+    Raises:
+        AlreadyExists: ``path`` already exists.
+        OSError: the disk refused the write; the temporary file is removed.
+    """
+    _refuse_existing(path)
+    make_dirs(path.parent)
+    tmp, fd = _open_tmp(path)
+    try:
+        try:
+            _writev_all(fd, chunks)
+            getattr(os, "fdatasync", os.fsync)(fd)
+        finally:
+            os.close(fd)
         if race_free:
             _place(tmp, path)
         else:
@@ -166,12 +197,17 @@ def fsync_dirs(directories: Iterable[Path]) -> None:
 
 
 def _new_tmp(path: Path) -> Path:
+    tmp, fd = _open_tmp(path)
+    os.close(fd)
+    return tmp
+
+
+def _open_tmp(path: Path) -> tuple[Path, int]:
     # Our own O_EXCL create (not mkstemp, which makes 0600 files): mode 0666 less umask.
     while True:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o666))
-            return tmp
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o666)
         except FileExistsError:
             continue  # 48 random bits taken already: draw again
 
@@ -203,6 +239,23 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+_IOV_MAX = 512
+"""Buffers per ``writev`` call, below every platform's IOV_MAX (Linux: 1024)."""
+
+
+def _writev_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
+    """Write every chunk in order; a short write (a signal, a 2 GiB call limit) resumes
+    where it stopped."""
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    while views:
+        done = os.writev(fd, views[:_IOV_MAX])
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if done:
+            views[0] = views[0][done:]
 
 
 def _refuse_existing(path: Path) -> None:

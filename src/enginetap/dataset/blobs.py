@@ -3,7 +3,13 @@
 Writing: :func:`host_tensors` gives each tensor as safetensors can write it (dense,
 contiguous, on the CPU, no two sharing memory) and copies only the tensors that are not
 already so: a contiguous CPU tensor is written straight from its own memory. A device
-tensor is copied to the host once, which cannot be avoided.
+tensor is copied to the host once, which cannot be avoided. :func:`blob_chunks` lays such
+tensors out as the safetensors file itself (the header, then each tensor's own memory),
+byte for byte what ``safetensors.torch.save`` writes, for a writer to hand to the kernel
+in one ``writev``: the capture writer runs beside the engine's thread, and this is a few
+Python operations per tensor where safetensors' own Python takes tens, each holding the
+interpreter the engine waits for. A dtype outside its table gives None (write it with
+:func:`save_blob`).
 
 Reading: blobs are opened through :func:`enginetap.dataset.files.open_regular`, so a FIFO
 or device in place of a blob is reported, never waited on.
@@ -11,6 +17,8 @@ or device in place of a blob is reported, never waited on.
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +29,7 @@ from enginetap.dataset.files import NotRegular, open_regular, path_of_fd
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Header", "host_tensors", "load_tensors", "read_header", "save_blob"]
+__all__ = ["Header", "blob_chunks", "host_tensors", "load_tensors", "read_header", "save_blob"]
 
 Header = dict[str, tuple[str, tuple[int, ...]]]
 """Tensor key -> (schema dtype name, shape), as a blob's header records them."""
@@ -58,6 +66,47 @@ def save_blob(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     import safetensors.torch
 
     safetensors.torch.save_file(dict(tensors), str(path))
+
+
+# torch dtype -> (safetensors' name, its rank in safetensors' layout: data is written by
+# descending rank, then by name; measured against safetensors 0.8's own files).
+_LAYOUT = {
+    "int64": ("I64", 15), "float64": ("F64", 14), "float32": ("F32", 12),
+    "int32": ("I32", 10), "bfloat16": ("BF16", 9), "float16": ("F16", 8),
+    "int16": ("I16", 6), "float8_e4m3fn": ("F8_E4M3", 5), "float8_e5m2": ("F8_E5M2", 4),
+    "int8": ("I8", 3), "uint8": ("U8", 2), "float4_e2m1fn_x2": ("F4", 1), "bool": ("BOOL", 0),
+}
+
+
+def blob_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview] | None:
+    """The safetensors file of ``tensors`` (as :func:`host_tensors` returns them) as
+    buffers to write in order: the header, then each tensor's bytes, viewed, not copied.
+    None when a tensor's dtype is not in this writer's table (or is a 0-d packed fp4)."""
+    import torch
+
+    order = []
+    for name, tensor in tensors.items():
+        layout = _LAYOUT.get(str(tensor.dtype)[6:])
+        if layout is None or (layout[0] == "F4" and not tensor.dim()):
+            return None  # a packed fp4 scalar: safetensors' own rules apply
+        order.append((-layout[1], name, layout[0], tensor))
+    order.sort(key=lambda entry: entry[:2])
+    header: dict[str, dict[str, object]] = {}
+    chunks: list[bytes | memoryview] = [b""]
+    offset = 0
+    for _, name, dtype, tensor in order:
+        shape = list(tensor.shape)
+        if dtype == "F4" and shape:
+            shape[-1] *= 2  # safetensors counts fp4 values, torch packed pairs
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        if size:
+            chunks.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    chunks[0] = struct.pack("<Q", len(text)) + text
+    return chunks
 
 
 def read_header(path: Path) -> Header | str:

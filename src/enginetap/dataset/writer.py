@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from enginetap.dataset.atomic import append_lines, fsync_dirs, write_new_file
-from enginetap.dataset.blobs import host_tensors, save_blob
+from enginetap.dataset.atomic import append_lines, fsync_dirs, write_new_bytes, write_new_file
+from enginetap.dataset.blobs import blob_chunks, host_tensors, save_blob
 from enginetap.dataset.checks import CheckedWorkload, check_workload
 from enginetap.dataset.paths import (
     OUTPUT_KEY_PREFIX, blob_relpath, safe_component, workloads_relpath,
@@ -157,10 +157,11 @@ def _plan(dataset: Dataset, records: Sequence[WorkloadRecord]
     planned: list[_Planned] = []
     new: dict[str, Definition] = {}
     taken: set[tuple[str, str]] = set()
+    dirs: dict[str, Path] = {}
     failures: list[tuple[int, DatasetError]] = []
     for index, record in enumerate(records):
         try:
-            item, is_new = _plan_one(dataset, record, new, taken)
+            item, is_new = _plan_one(dataset, record, new, taken, dirs)
         except DatasetError as exc:
             failures.append((index, exc))
             continue
@@ -173,7 +174,7 @@ def _plan(dataset: Dataset, records: Sequence[WorkloadRecord]
 
 
 def _plan_one(dataset: Dataset, record: WorkloadRecord, new: Mapping[str, Definition],
-              taken: set[tuple[str, str]]) -> tuple[_Planned, bool]:
+              taken: set[tuple[str, str]], dirs: dict[str, Path]) -> tuple[_Planned, bool]:
     definition, is_new = _definition(dataset, record.definition, new)
     checked = check_workload(definition, record.inputs, record.outputs)
     uuid = safe_component("uuid", record.uuid if record.uuid is not None
@@ -184,7 +185,14 @@ def _plan_one(dataset: Dataset, record: WorkloadRecord, new: Mapping[str, Defini
     dataset._refuse_used_uuid(definition, uuid)
     taken.add((definition.name, uuid))
     blob_rel = blob_relpath(definition.op_type, definition.name, uuid)
-    blob = dataset.resolve(blob_rel) if checked.tensors or checked.outputs else None
+    blob = None
+    if checked.tensors or checked.outputs:
+        # the directory resolved (symlinks followed, kept inside the root) once per commit;
+        # the file name is a fresh uuid, checked below
+        parent, _, file_name = blob_rel.rpartition("/")
+        if parent not in dirs:
+            dirs[parent] = dataset.resolve(parent)
+        blob = dirs[parent] / file_name
     if blob is not None and os.path.lexists(blob):
         raise DatasetError(f"refusing to overwrite {blob_rel}", "the blob already exists",
                            "use a new uuid; delete the file if it is an orphan")
@@ -241,8 +249,13 @@ def _write(dataset: Dataset, planned: list[_Planned]) -> None:
         for item in planned:
             if item.blob is not None:
                 # uuid-named: no other writer wants this name, a checked rename will do
-                write_new_file(item.blob, partial(_fill, item.checked), sync_dir=False,
-                               race_free=False)
+                tensors = _blob_tensors(item.checked)
+                chunks = blob_chunks(tensors)
+                if chunks is not None:
+                    write_new_bytes(item.blob, chunks, sync_dir=False, race_free=False)
+                else:
+                    write_new_file(item.blob, partial(save_blob, tensors=tensors),
+                                   sync_dir=False, race_free=False)
                 written.append(item.blob)
         fsync_dirs(path.parent for path in written)
     except OSError as exc:
@@ -264,10 +277,10 @@ def _write(dataset: Dataset, planned: list[_Planned]) -> None:
             raise write_failed(dataset.root, exc) from None
 
 
-def _fill(checked: CheckedWorkload, path: Path) -> None:
+def _blob_tensors(checked: CheckedWorkload) -> dict[str, Any]:
     named = dict(checked.tensors)
     named |= {OUTPUT_KEY_PREFIX + name: t for name, t in checked.outputs.items()}
-    save_blob(path, host_tensors(named))
+    return host_tensors(named)
 
 
 def _remove(paths: list[Path]) -> None:
