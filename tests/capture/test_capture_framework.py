@@ -105,6 +105,50 @@ def test_decode_picks_follow_the_policy_and_labels(tmp_path, armed_engine):
     assert steps == {3, 8}
 
 
+def test_selector_picks_per_request_with_labels_that_arrive_late(tmp_path):
+    """Each request's decode index counts on its own; middle/last come from its label,
+    also when the label file is written after the request started decoding; a request
+    without a label gets the numbered picks only."""
+    import os
+
+    from enginetap.capture.labels import RequestLabels, write_labels
+    from enginetap.capture.options import SelectionPolicy
+    from enginetap.capture.selection import Selector
+    from enginetap.core.context import Step, StepRows
+
+    labels_file = tmp_path / "labels.json"
+    selector = Selector(SelectionPolicy(name="t", prefill=False,
+                                        decode_steps=[1, "middle", "last"]),
+                        RequestLabels(labels_file))
+    chosen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+
+    def step(number: int, keys: list[str]) -> None:
+        rows = StepRows(request_ids=keys, positions=[0] * len(keys),
+                        token_ids=[0] * len(keys), query_start=list(range(len(keys))),
+                        computed_host=[0] * len(keys))
+        s = Step("test", number, "decode", rows)
+        selector.on_begin(s)
+        if selector.selected(s):
+            for key in keys:
+                chosen[key].append(selector.decode_index[key])
+        selector.on_end(s)
+
+    step(0, ["a", "b", "c"])  # no label file yet
+    write_labels(labels_file, {"a": {"output_tokens": 9}})  # 8 decodes: middle 3, last 7
+    os.utime(labels_file, (1, 1))  # a modification time unlike any seen before
+    for number in range(1, 4):
+        step(number, ["a", "b", "c"])
+    write_labels(labels_file, {"a": {"output_tokens": 9}, "b": {"output_tokens": 7}})
+    os.utime(labels_file, (2, 2))  # b: 6 decodes: middle 2 (already past), last 5
+    for number in range(4, 9):
+        step(number, ["a", "b", "c"] if number < 6 else ["a"])
+    # a step is selected when any of its requests is at a pick: the indices it ran at
+    assert chosen["a"] == [1, 3, 5, 7]  # 1 (numbered), 3 (middle), 5 (b's last), 7 (last)
+    assert chosen["b"] == [1, 3, 5]
+    assert chosen["c"] == [1, 3, 5]
+    assert selector.skipped_steps == 5
+
+
 def test_a_write_error_stops_capture_and_the_engine_goes_on(tmp_path, armed_engine):
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "blob").write_text("a file where the blob folder belongs")
@@ -202,15 +246,23 @@ def test_repeated_kv_heads_are_checked_on_the_device() -> None:
 
     from enginetap.engines.hf.probes.attention import _kv_heads
 
-    kv = torch.randn(2, 2, 5, 4, dtype=torch.bfloat16)
+    kv = torch.randn(2, 2, 40, 4, dtype=torch.bfloat16)
     repeated = kv.repeat_interleave(3, dim=1)  # transformers' repeat_kv
     checks: list = []
     kept = _kv_heads(repeated, 2, [], "key", checks)
     assert torch.equal(kept, kv) and bool(checks[0][0])
-    repeated[1, 4, 2, 1] += 1  # one element of one repeated head differs
+    # the check reads columns 0, 16, 32 and the last one, every head, every byte
+    for column in (0, 16, 39):
+        changed = repeated.clone()
+        changed[1, 4, column, 1] += 1  # one element of one repeated head differs
+        checks = []
+        _kv_heads(changed, 2, [], "value", checks)
+        assert not bool(checks[0][0])
+        assert "not 2 kv heads each repeated 3 times" in checks[0][1]
+    # heads that are not repeats at all (another projection each) are found
     checks = []
-    _kv_heads(repeated, 2, [], "value", checks)
-    assert not bool(checks[0][0]) and "not 2 kv heads each repeated 3 times" in checks[0][1]
+    _kv_heads(torch.randn(2, 6, 40, 4, dtype=torch.bfloat16), 2, [], "key", checks)
+    assert not bool(checks[0][0])
 
 
 def test_captured_dataset_loads_in_flashinfer_bench(tmp_path, armed_engine):

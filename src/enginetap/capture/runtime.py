@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,8 @@ class CaptureRuntime:
         self.patches = PatchSet("capture")
         self.gate = Gate(is_open=False)
         """Open during selected steps only."""
+        self._open = False
+        """Whether the gate is open now (set only through :meth:`_select`)."""
         scope = context_.notes.get("scope")
         self.scope: ScopeUse | None = scope if isinstance(scope, ScopeUse) else None
         self.installed_targets: set[str] = set()
@@ -113,14 +116,18 @@ class CaptureRuntime:
 
     def _on_begin(self, step: Any) -> None:
         self.selector.on_begin(step)
-        self._select(self.selector.selected(step))
+        selected = self.selector.selected_step is not None
+        if selected or self._open:  # open, or still open after an abandoned step
+            self._select(selected)
 
     def _on_end(self, step: Any) -> None:
-        self._select(False)
+        if self._open:
+            self._select(False)
         self.selector.on_end(step)
 
     def _select(self, selected: bool) -> None:
         """Open the probes' gate (and ask for the module scope) for a selected step."""
+        self._open = selected
         self.gate.set(selected)
         if self.scope is not None:
             self.scope.need("capture", selected)
@@ -274,14 +281,19 @@ class CaptureRuntime:
                                         in enumerate(extracted.checks)}, ring)
             item = Item(definition, HostCopies.of(extracted.inputs, ring),
                         HostCopies.of(extracted.outputs, ring),
-                        lambda: self.provenance.receipt(
-                            facts, {k: self.labels.get(k) for k in facts.keys}),
+                        lambda: self.provenance.receipt(facts, self._labels_of(facts.keys)),
                         lambda why: self._refused(probe, why), checks,
                         tuple(what for _, what in extracted.checks))
             self.writer.submit(item)
         except Exception as exc:  # noqa: BLE001 - our failure: disable the probe, serve on
             self.selector.release(definition.name, variant)
             self._fail(probe, "adapting the call to its definition", exc)
+
+    def _labels_of(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The labels of ``keys`` for a receipt (writer thread): the file looked at once,
+        not once per request."""
+        self.labels.refresh()
+        return {k: self.labels.peek(k) for k in keys}
 
     def _refused(self, probe: Probe, why: str) -> None:
         """The dataset refused a workload of ``probe`` (writer thread): disable it."""

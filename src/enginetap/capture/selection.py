@@ -46,19 +46,19 @@ class Selector:
         picks = self.policy.decode_steps
         self._numbered = frozenset(p for p in picks if isinstance(p, int))
         self._middle, self._last = "middle" in picks, "last" in picks
+        self._by_label: dict[str, frozenset[int]] = {}
+        """Per request key with a label, its ``middle``/``last`` decode indices."""
 
     def on_begin(self, step: Step) -> None:
         """Decide whether ``step`` is selected (a step listener). Runs on every step, so
-        it costs one look at the labels file and a few dict reads per request."""
-        if self._middle or self._last:
-            self.labels.refresh()
+        it is a few C-level lookups per request; the labels file is looked at only while
+        a request of the step has no label yet."""
         self.selected_step = step.step if self._wanted(step) else None
         if self.selected_step is None:
             self.skipped_steps += 1
 
     def on_end(self, step: Step) -> None:
-        for key in self._decode_keys(step):
-            self.decode_index[key] += 1
+        self.decode_index.update(self._decode_keys(step))  # each key once: +1 each
 
     def selected(self, step: Step) -> bool:
         return self.selected_step == step.step
@@ -66,7 +66,21 @@ class Selector:
     def _wanted(self, step: Step) -> bool:
         if step.mode != "decode" and self.policy.prefill:
             return True
-        return any(self._pick(key) for key in self._decode_keys(step))
+        keys = self._decode_keys(step)
+        at = list(map(self.decode_index.__getitem__, keys))
+        if not self._numbered.isdisjoint(at):
+            return True
+        if not (self._middle or self._last):
+            return False
+        by_label = self._by_label
+        if not by_label.keys() >= set(keys):
+            self.labels.refresh()
+            for key in keys:
+                if key not in by_label:
+                    picks = self._label_picks(key)
+                    if picks is not None:
+                        by_label[key] = picks
+        return any(i in by_label.get(key, ()) for key, i in zip(keys, at))
 
     def _decode_keys(self, step: Step) -> list[str]:
         """Keys of the requests decoding in ``step`` (a mixed step names its prefills)."""
@@ -79,18 +93,22 @@ class Selector:
         ids = dict(zip(step.rows.keys, step.rows.request_ids))
         return [k for k in keys if ids[k] not in prefilling]
 
-    def _pick(self, key: str) -> bool:
-        index = self.decode_index[key]
-        if index in self._numbered:
-            return True
-        if not (self._middle or self._last):
-            return False
-        output = self.labels.peek(key).get("output_tokens")
+    def _label_picks(self, key: str) -> frozenset[int] | None:
+        """``key``'s middle/last decode indices from its label's expected output length;
+        None while it has no label (looked for again next step)."""
+        label = self.labels.peek(key)
+        if not label:
+            return None
+        output = label.get("output_tokens")
         if not isinstance(output, int) or output < 2:
-            return False
+            return frozenset()
         decodes = output - 1  # the first output token comes from the prefill step
-        return ((self._middle and index == (decodes - 1) // 2)
-                or (self._last and index == decodes - 1))
+        picks = set()
+        if self._middle:
+            picks.add((decodes - 1) // 2)
+        if self._last:
+            picks.add(decodes - 1)
+        return frozenset(picks)
 
     def variant(self, step: Step, layer: str) -> Variant:
         rows = step.rows
