@@ -19,7 +19,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from enginetap.core import context
 from enginetap.core.ranks import rank_path
@@ -29,7 +29,7 @@ try:  # a tenth of json's encoding time: records are written on the engine's hos
 except ImportError:  # pragma: no cover - a dependency; json writes the same lines
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["RankJsonl", "close_all", "encode_line"]
+__all__ = ["RankJsonl", "close_all", "encode_line", "encode_line_bytes"]
 
 
 def encode_line(record: dict[str, Any], fast: bool = False) -> str:
@@ -40,16 +40,23 @@ def encode_line(record: dict[str, Any], fast: bool = False) -> str:
     host thread every step: the same line, except that a NaN or infinite float would be
     written as ``null`` (json writes ``NaN``), so records that may hold such floats
     leave it off."""
+    return encode_line_bytes(record, fast).decode()
+
+
+def encode_line_bytes(record: dict[str, Any], fast: bool = False) -> bytes:
+    """:func:`encode_line` as UTF-8 bytes (what the writer hands the OS)."""
     if fast and orjson is not None:
         try:
             return orjson.dumps(record, default=str, option=orjson.OPT_NON_STR_KEYS
-                                | orjson.OPT_APPEND_NEWLINE).decode()
+                                | orjson.OPT_APPEND_NEWLINE)
         except TypeError:  # e.g. an int beyond 64 bits: json writes it
             pass
-    return json.dumps(record, separators=(",", ":"), default=str) + "\n"
+    return (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
 
 
-_OPEN: dict[Path, IO[str]] = {}
+_OPEN: dict[Path, int] = {}
+"""Open files by path: raw descriptors (O_APPEND), so that a line is one ``write`` call,
+flushed to the OS as it returns, with no buffer layer on the engine's thread."""
 _LOCK = threading.RLock()
 """Reentrant: if a signal's exception leaves it held by the thread that was writing,
 that thread's own exit handlers can still take it."""
@@ -72,14 +79,17 @@ class RankJsonl:
         """
         stamped = {"step": context.step_number() if step is None else step, "rank": self.rank,
                    **record}
-        line = encode_line(stamped, self.fast)
+        line = encode_line_bytes(stamped, self.fast)
         with _LOCK:
-            sink = _OPEN.get(self.path)
-            if sink is None:
+            fd = _OPEN.get(self.path)
+            if fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                sink = _OPEN[self.path] = self.path.open("w", encoding="utf-8")
-            sink.write(line)
-            sink.flush()
+                fd = _OPEN[self.path] = os.open(
+                    self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                    | getattr(os, "O_CLOEXEC", 0), 0o666)
+            view = memoryview(line)
+            while view:  # a regular file takes it whole unless the disk is full
+                view = view[os.write(fd, view):]
 
     def close(self) -> None:
         """Fsync and close this file (a later write starts it afresh)."""
@@ -88,11 +98,12 @@ class RankJsonl:
 
 
 def _close(path: Path) -> None:
-    sink = _OPEN.pop(path, None)
-    if sink is not None:
-        sink.flush()
-        os.fsync(sink.fileno())
-        sink.close()
+    fd = _OPEN.pop(path, None)
+    if fd is not None:
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def close_all() -> None:
