@@ -7,9 +7,11 @@ Variants, interleaved round by round so machine noise hits all alike (one model,
 and disarmed around it):
 
 - ``disarmed``;
-- ``unselected``: capture armed, policy ``prefill-only``: the decode steps measured are
-  never selected (the probes' and the scope's gates are shut; the prefill's workloads may
-  still be being written beside them);
+- ``unselected``: capture armed, a policy that selects no step: what capture costs a step
+  it does not select (the probes' and the scope's gates shut, the step listeners);
+- ``unselected after prefill``: capture armed, policy ``prefill-only``: the decode steps
+  measured are never selected, but the prefill's workloads are still being written beside
+  them (the writer's backlog, a cost of the selected prefill);
 - ``selected``: capture armed, every decode step selected, no per-variant limit (the cost
   of copying every probed call's tensors out, and of the writer keeping up).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shutil
 import statistics
 import tempfile
 import time
@@ -103,6 +106,8 @@ def _decode_steps(engine: HFEngine, requests: list[Request]
 
 
 LISTENERS = {"seconds": 0.0, "steps": 0}
+EACH: dict[str, list[float]] = {}
+"""Per step listener (by name), its time on each decode step of the current run."""
 
 
 def _time_listeners() -> None:
@@ -115,7 +120,12 @@ def _time_listeners() -> None:
     def notify(listeners, step) -> None:
         start = time.perf_counter()
         try:
-            original(listeners, step)
+            for listener in list(listeners):  # one at a time: each one's own time
+                began = time.perf_counter()
+                original([listener], step)
+                if step.mode == "decode":
+                    name = getattr(listener, "__qualname__", repr(listener))
+                    EACH.setdefault(name, []).append(time.perf_counter() - began)
         finally:
             LISTENERS["seconds"] += time.perf_counter() - start
             LISTENERS["steps"] += listeners is step_context._CTX.on_end
@@ -226,6 +236,7 @@ def _config(out: Path, policy, **capture: Any) -> ArmConfig:
                                           "budget_bytes": BUDGET["bytes"], **capture}})
 
 
+NOTHING = {"name": "bench-nothing", "prefill": False, "decode_steps": []}
 EVERY_DECODE = {"name": "bench-every-decode", "prefill": False,
                 "decode_steps": list(range(512)), "per_variant": 1 << 20,
                 "per_definition": 1 << 20, "per_layer": True}
@@ -237,7 +248,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
           f"{args.new_tokens} new tokens; device {args.device}")
     requests = _requests(args, model.config.vocab_size)
     # "disarmed again" shows the spread between two identical variants in this run
-    results: dict[str, list[float]] = {"disarmed": [], "unselected": [], "selected": [],
+    results: dict[str, list[float]] = {"disarmed": [], "unselected": [],
+                                       "unselected after prefill": [], "selected": [],
                                        "disarmed again": []}
     if args.only:
         results = {v: t for v, t in results.items()
@@ -246,8 +258,13 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         results["selected, writer held"] = []
     if args.python_switch:
         results["selected, 5 ms switch"] = []
+    switches = {f"selected, {float(v) * 1e3:g} ms switch": float(v)
+                for v in args.switch_variants.split(",") if v}
+    for variant in switches:
+        results[variant] = []
     copied: dict[str, list[int]] = {v: [] for v in results if v.startswith("selected")}
     listener_s: dict[str, list[float]] = {}
+    each_s: dict[str, dict[str, list[float]]] = {}
     tokens: dict[str, list] = {v: [] for v in results}
     batches: dict[str, list] = {v: [] for v in results}
     with tempfile.TemporaryDirectory() as tmp:
@@ -255,22 +272,31 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for round_ in range(args.rounds):
             # rotate the order each round: no variant always runs first (or after another)
             for variant in names[round_ % len(names):] + names[:round_ % len(names)]:
-                policy = {"unselected": "prefill-only", "selected": EVERY_DECODE,
+                policy = {"unselected": NOTHING, "unselected after prefill": "prefill-only",
+                          "selected": EVERY_DECODE,
                           "selected, writer held": EVERY_DECODE,
-                          "selected, 5 ms switch": EVERY_DECODE}.get(variant)
+                          "selected, 5 ms switch": EVERY_DECODE}.get(
+                              variant, EVERY_DECODE if variant in switches else None)
                 extra = {"switch_interval_s": 0.0} if variant == "selected, 5 ms switch" else {}
+                if variant in switches:
+                    extra = {"switch_interval_s": switches[variant]}
                 HOLD["writer"] = variant == "selected, writer held"
                 out = Path(tmp) / f"{variant}-{round_}"
                 engine = HFEngine.from_loaded(
                     model, arm=_config(out, policy, **extra) if policy else None)
                 try:
                     LISTENERS.update(seconds=0.0, steps=0)
+                    EACH.clear()
                     times, sizes, batch_out = _decode_steps(engine, requests)
                     listener_s.setdefault(variant, []).append(
                         LISTENERS["seconds"] / max(1, LISTENERS["steps"]))
+                    for name, spent in EACH.items():
+                        each_s.setdefault(variant, {}).setdefault(name, []).extend(spent[1:])
                     done = [c.output_ids for c in engine.generate(requests[:1])]
                 finally:
                     disarm()
+                    # a selected run writes gigabytes: keep the disk from filling up
+                    shutil.rmtree(out, ignore_errors=True)
                 tokens[variant].append(done)
                 batches[variant].append(batch_out)
                 reference = batches["disarmed"][0]
@@ -294,6 +320,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             table[variant]["copy_gb_per_s"] = statistics.median(sizes) / max(extra, 1e-9) / 1e9
     for variant, seconds in listener_s.items():
         table[variant]["listeners_us"] = statistics.median(seconds) * 1e6
+    for variant in ("disarmed", "unselected"):
+        print(f"step listeners on {variant} decode steps (median each): " + ", ".join(
+            f"{name} {statistics.median(spent) * 1e6:.1f} us"
+            for name, spent in each_s.get(variant, {}).items()))
     table["unselected"]["gated_calls"] = calls_per_step(model, requests)
     table["unselected"]["gated_call_us"] = gated_call_seconds(args.device) * 1e6
     first = tokens["disarmed"][0]
@@ -458,6 +488,10 @@ def main() -> None:
                         help="diagnostic: add a variant 'selected, 5 ms switch' whose writer "
                              "leaves the interpreter's switch interval at Python's 5 ms "
                              "(options.capture.switch_interval_s = 0)")
+    parser.add_argument("--switch-variants", default="",
+                        help="diagnostic: comma-separated switch intervals in seconds (e.g. "
+                             "0.0001,0.002), each a 'selected' variant whose writer lowers the "
+                             "interpreter's switch interval to it while it has work")
     args = parser.parse_args()
     if args.held_writer:
         _hold_writer_until_close()
