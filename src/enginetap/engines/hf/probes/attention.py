@@ -88,7 +88,13 @@ def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str,
     """``[B, kv_heads, Lk, D]``: undo transformers' ``repeat_kv``. Checked, not assumed:
     the check (every head equal to the first of its group, bit for bit) is computed on
     the tensor's device and added to ``checks``, for the writer to read (asking the host
-    here would stop the engine until the device caught up, twice per layer)."""
+    here would stop the engine until the device caught up, twice per layer).
+
+    The check reads every 16th key column and the last one (this step's), every head
+    and every byte of them: heads that are not repeats (other projections, another
+    layout) differ in every column, so a sample finds them; comparing whole caches was
+    1.4 ms of device time per decode step on the H200 (8 layers × 32 requests × 512
+    columns), a sixth of what capturing the step added besides the copy itself."""
     heads = tensor.shape[1]
     if heads == kv_heads:
         return tensor
@@ -97,7 +103,8 @@ def _kv_heads(tensor: torch.Tensor, kv_heads: int, notes: list[str], name: str,
                          f"{kv_heads} kv heads")
     group = heads // kv_heads
     grouped = tensor.unflatten(1, (kv_heads, group))
-    same = _words(grouped)
+    words = _words(grouped)  # [B, kv heads, group, Lk, words]
+    same = torch.cat([words[:, :, :, ::_CHECK_EVERY], words[:, :, :, -1:]], dim=3)
     checks.append(((same[:, :, 1:] == same[:, :, :1]).all(),
                    f"{name}: the engine's {heads} heads are not {kv_heads} kv heads each "
                    f"repeated {group} times (repeat_kv)"))
@@ -122,6 +129,8 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHECK_EVERY = 16
+"""The repeat_kv check's column stride (plus the last column)."""
 
 
 class _Live:
