@@ -45,6 +45,22 @@ def test_one_gather_pages_a_dense_cache_as_the_per_request_copies_do():
                           page_size)
     assert got.shape == expected.shape == (7, page_size, heads, dim)
     assert torch.equal(got, expected)
+    # a strided view of a larger cache (the first head of each repeat_kv group), as the
+    # decode adapter passes it: the same pages
+    grouped = torch.randn(batch, heads, 2, width, dim, generator=gen)
+    view = grouped[:, :, 0]
+    got = gather_pages(view, page_slots(pages, columns, rows, width, page_size,
+                                        view.device), page_size)
+    expected = fill_pages([view[r, :, c].transpose(0, 1) for r, c in zip(rows, columns)],
+                          page_size)
+    assert torch.equal(got, expected)
+    # every slot used (no last page left partly empty): nothing to zero
+    full = [list(range(16)), list(range(5, 37))]
+    full_pages = pack_pages([16, 32], page_size)
+    slots = page_slots(full_pages, full, [1, 0], width, page_size, cache.device)
+    assert slots[2] is None
+    assert torch.equal(gather_pages(cache, slots, page_size), fill_pages(
+        [cache[r, :, c].transpose(0, 1) for r, c in zip([1, 0], full)], page_size))
 
 
 def test_left_padded_prefix_and_suffix_columns_are_end_aligned():

@@ -136,13 +136,18 @@ def pack_pages(lengths: list[int], page_size: int) -> Pages:
                  torch.tensor(last, dtype=torch.int32), [])
 
 
+Slots = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""Per page slot: the batch row and the column it comes from, and which slots are unused
+(None when every slot is used)."""
+
+
 def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], width: int,
-               page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+               page_size: int, device: torch.device) -> Slots:
     """Where every slot of ``pages`` (:func:`pack_pages` of the requests' lengths) comes
     from, for requests whose live tokens are ``columns[i]`` of batch row ``rows[i]`` of a
-    ``[batch, width, ...]`` tensor: ``(flat index into batch * width, valid)`` on
-    ``device``, one entry per slot (unused slots of last pages repeat a live token and are
-    not valid). A few vectorised ops, once per step: the same for every layer."""
+    ``[batch, heads, width, ...]`` tensor: ``(batch row, column, unused)`` on ``device``,
+    one entry per slot (unused slots of last pages repeat a live token and are zeroed).
+    A few vectorised ops, once per step: the same for every layer."""
     lengths = torch.tensor([len(c) for c in columns])
     slots = pages.indptr.diff().long() * page_size
     request = torch.repeat_interleave(torch.arange(len(columns)), slots)
@@ -153,19 +158,21 @@ def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], width: i
     token = (torch.cumsum(lengths, 0) - lengths)[request] + torch.minimum(
         offset, (length - 1).clamp(min=0))
     column = flat_columns[token.clamp(max=flat_columns.numel() - 1)]
-    flat = torch.tensor(rows)[request] * width + column
-    return flat.to(device, non_blocking=True), valid.to(device, non_blocking=True)
+    unused = None if bool(valid.all()) else (~valid).to(device, non_blocking=True)
+    return (torch.tensor(rows)[request].to(device, non_blocking=True),
+            column.to(device, non_blocking=True), unused)
 
 
-def gather_pages(cache: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor],
-                 page_size: int) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, slots: Slots, page_size: int) -> torch.Tensor:
     """``[pages, page_size, heads, dim]`` from an engine cache ``[batch, heads, columns,
-    dim]``: one gather at :func:`page_slots`'s slots, unused slots zero (equal to
-    :func:`fill_pages` of each request's live columns)."""
-    flat, valid = slots
-    batch, heads, columns, dim = cache.shape
-    picked = cache.transpose(1, 2).reshape(batch * columns, heads, dim).index_select(0, flat)
-    picked = torch.where(valid[:, None, None], picked, picked.new_zeros(()))
+    dim]`` (any strides): one gather of the live columns at :func:`page_slots`'s slots,
+    unused slots zero (equal to :func:`fill_pages` of each request's live columns). Only
+    the live columns are read: no transposed copy of the whole cache first."""
+    rows, columns, unused = slots
+    batch, heads, width, dim = cache.shape
+    picked = cache[rows, :, columns]  # [slots, heads, dim]
+    if unused is not None:
+        picked.masked_fill_(unused[:, None, None], 0)
     return picked.reshape(-1, page_size, heads, dim)
 
 
