@@ -68,6 +68,7 @@ def test_verification_and_version_counters() -> None:
     deferred.reset("decode", 10)
     assert deferred.needs_check("x")  # every 10th step verifies everything
     deferred.reset("decode", 11)
+    assert not deferred.needs_check("x")
     kept, touched = torch.zeros(2, 8), torch.zeros(2, 8)
     deferred.add("kept", kept)
     deferred.add("touched", touched)
@@ -77,3 +78,17 @@ def test_verification_and_version_counters() -> None:
         quiet = torch.zeros(2, 8)
     deferred.add("quiet", quiet)  # no version counter: verification is its guard
     assert deferred.moved() == [1]
+
+
+def test_flags_a_step_late_verify_one_step_more() -> None:
+    """Where a step's flags reach the host a step later (a GPU's transfer without a
+    wait), every verification is followed by one more verified step, so no unverified
+    step relies on a deferred hash whose check is still in flight."""
+    deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20, verify=2, verify_every=10,
+                              lag=1)
+    for step in (2, 3, 4, 5):  # (step 1 follows the full step 0)
+        deferred.reset("decode", step)
+        assert deferred.needs_check("x") == (step <= 4)
+    for step, full in ((9, False), (10, True), (11, True), (12, False)):
+        deferred.reset("decode", step)
+        assert deferred.needs_check("x") == full

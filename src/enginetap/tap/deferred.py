@@ -12,7 +12,8 @@ That is only right if the bytes are still those the checkpoint saw. These rules 
 sure they are, or that nothing is recorded:
 
 - **Verified before trusted.** The first ``verify`` times a checkpoint name is seen in a
-  step of a kind (prefill, decode, mixed), and in every ``verify_every``-th step, it is
+  step of a kind (prefill, decode, mixed), and in every ``verify_every``-th step (plus
+  ``lag`` more times each, where the flags reach the host a step later), it is
   staged as before *and* deferred; the record carries the staged hash, and the two are
   compared when the step's hashes reach the host. A difference means something writes
   that tensor later in the step (an in-place kernel, e.g. vLLM's fused add+norm on its
@@ -55,6 +56,11 @@ class DeferredHashes:
     budget: int
     verify: int = 2
     verify_every: int = 50
+    lag: int = 0
+    """Steps between a verification and its flags reaching the engine's thread (1 where
+    the step's hashes are copied without waiting, on a GPU): that many more steps are
+    verified after each verification, so that a name whose check failed is demoted
+    before any unverified step relies on its deferred hash."""
     mode: str = ""
     full: bool = False
     """This step verifies every deferred checkpoint (every ``verify_every``-th step)."""
@@ -74,7 +80,7 @@ class DeferredHashes:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
         self.mode = mode
-        self.full = self.verify_every > 0 and step % self.verify_every == 0
+        self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
 
     def accepts(self, name: str, source: torch.Tensor) -> bool:
@@ -97,7 +103,7 @@ class DeferredHashes:
             return True
         key = (self.mode, name)
         seen = self.verified.get(key, 0)
-        if seen >= self.verify:
+        if seen >= self.verify + self.lag:
             return False
         self.verified[key] = seen + 1
         return True

@@ -64,6 +64,9 @@ class TapRecorder:
         self._defer = options.defer and options.vectors == "off"
         self._cuda = torch.cuda.is_available()
         self._forced = options.force
+        self._flags: list[tuple[torch.cuda.Event, torch.Tensor, DeferredHashes | None]] = []
+        """Verification flags of the last step whose hashes were queued without waiting
+        (see :meth:`_transfer_later`)."""
         self._clear()
 
     def _clear(self) -> None:
@@ -93,6 +96,7 @@ class TapRecorder:
         unsubscribe(self.begin)
         unsubscribe(self.end)
         self._clear()
+        self._apply_flags()
         self.sink.close()
 
     def model_loaded(self, model: Any) -> None:
@@ -255,7 +259,9 @@ class TapRecorder:
         found = None
         if kernels.available(source):
             found = DeferredHashes(source.device, self.options.defer_bytes,
-                                   verify_every=self.options.defer_verify_every)
+                                   verify_every=self.options.defer_verify_every,
+                                   lag=int(source.device.type == "cuda"
+                                           and self.vectors is None))
             if self.step is not None:
                 found.reset(self.step.mode, self.step.step)
         self._deferred[source.device] = found
@@ -324,6 +330,16 @@ class TapRecorder:
             extra = [p.flatten() for d, p in self.sampler if d == device]
             launched.append((device, names, checks,
                              torch.cat([hashes.flatten(), checks, *extra]), extra))
+        gone = set(dropped)
+        order = [name for _, name in self.names if name not in gone]
+        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": self.rows,
+                "checkpoints": order, "sampled": dict(step.sampled)}
+        if dropped:
+            head["dropped"] = dropped
+        if (self.vectors is None and launched and all(d.type == "cuda" for d, *_ in launched)
+                and all(d in by_device for d, _ in self.sampler)):
+            return self._transfer_later(launched, head, k)
+        self._apply_flags()
         # The previous step's record is written now, while the device finishes this step.
         self.sink.pump()
         for device, names, checks, on_device, extra in launched:
@@ -338,13 +354,50 @@ class TapRecorder:
                 self.vectors.maybe_dump(step.step, self.rows, names, self._staging[device],
                                         flat[:len(names) * k])
         host += [([], p.cpu(), 1) for d, p in self.sampler if d not in by_device]
-        gone = set(dropped)
-        order = [name for _, name in self.names if name not in gone]
-        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": self.rows,
-                "checkpoints": order, "sampled": dict(step.sampled)}
-        if dropped:
-            head["dropped"] = dropped
         return lambda: _format(head, host, k)
+
+    def _transfer_later(self, launched: list[tuple[torch.device, list[str], torch.Tensor,
+                                                   torch.Tensor, list[torch.Tensor]]],
+                        head: dict[str, Any], k: int) -> Any:
+        """On a GPU: queue the step's hashes into pinned host memory without waiting for
+        them. The engine has already synchronized for its sampled tokens, so the device
+        would otherwise sit idle through the hash kernel, the transfer and the wait while
+        the host plans the next step; this way they overlap it. The record is formatted
+        when it is written (the next step's end, or the sink's idle writer), after the
+        copy's event; the verification flags are read by the engine's thread at the next
+        step's end (or when the tap is removed)."""
+        event = torch.cuda.Event()
+        copies = []
+        for device, names, checks, on_device, extra in launched:
+            host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+            host.copy_(on_device, non_blocking=True)
+            copies.append((device, names, checks.numel(), host, len(extra)))
+        event.record()
+        self._apply_flags()  # the previous step's: landed long ago
+        self._flags = [(event, host[len(names) * k:len(names) * k + n], self._deferred[device])
+                       for device, names, n, host, _ in copies if n]
+        self.sink.pump()  # the previous step's record, while the device works on this one
+
+        def make() -> dict[str, Any]:
+            event.synchronize()
+            host_list = []
+            for _, names, n, host, extras in copies:
+                flat = host
+                if n:
+                    flat = torch.cat([host[:len(names) * k], host[len(names) * k + n:]])
+                host_list.append((names, flat, extras))
+            return _format(head, host_list, k)
+
+        return make
+
+    def _apply_flags(self) -> None:
+        """Demote the deferred checkpoints whose verification failed in the step whose
+        hashes were queued last (its flags read once its copy landed)."""
+        flags, self._flags = self._flags, []
+        for event, equal, deferred in flags:
+            event.synchronize()
+            if deferred is not None:
+                deferred.compare_flags(equal)
 
     def _device_hashes(self, device: torch.device, entries: list[tuple[str, int]],
                        dropped: list[str]) -> tuple[torch.Tensor, list[str], torch.Tensor]:
