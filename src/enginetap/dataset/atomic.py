@@ -62,11 +62,7 @@ def write_new_file(path: Path, fill: Callable[[Path], None], *, sync_dir: bool =
         if stat.S_IMODE(os.stat(tmp).st_mode) != mode:
             os.chmod(tmp, mode)  # fill may recreate the file 0600 (safetensors does)
         _sync_file(tmp)
-        if race_free:
-            _place(tmp, path)
-        else:
-            _refuse_existing(path)
-            os.replace(tmp, path)
+        _put(tmp, path, race_free)
     finally:
         tmp.unlink(missing_ok=True)
     if sync_dir:
@@ -93,11 +89,7 @@ def write_new_bytes(path: Path, chunks: Sequence[bytes | memoryview], *,
             getattr(os, "fdatasync", os.fsync)(fd)
         finally:
             os.close(fd)
-        if race_free:
-            _place(tmp, path)
-        else:
-            _refuse_existing(path)
-            os.replace(tmp, path)
+        _put(tmp, path, race_free)
     finally:
         tmp.unlink(missing_ok=True)
     if sync_dir:
@@ -219,6 +211,15 @@ def _sync_file(path: Path) -> None:
         getattr(os, "fdatasync", os.fsync)(fd)
     finally:
         os.close(fd)
+
+
+def _put(tmp: Path, path: Path, race_free: bool) -> None:
+    """Give the durable ``tmp`` its name ``path``, never replacing a file there."""
+    if race_free:
+        _place(tmp, path)
+    else:
+        _refuse_existing(path)
+        os.replace(tmp, path)
 
 
 def _place(tmp: Path, path: Path) -> None:

@@ -366,22 +366,22 @@ class TapRecorder:
         when it is written (the next step's end, or the sink's idle writer), after the
         copy's event; the verification flags are read by the engine's thread at the next
         step's end (or when the tap is removed)."""
-        event = torch.cuda.Event()
         copies = []
         for device, names, checks, on_device, extra in launched:
             host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
             host.copy_(on_device, non_blocking=True)
-            copies.append((device, names, checks.numel(), host, len(extra)))
-        event.record()
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            copies.append((event, device, names, checks.numel(), host, len(extra)))
         self._apply_flags()  # the previous step's: landed long ago
         self._flags = [(event, host[len(names) * k:len(names) * k + n], self._deferred[device])
-                       for device, names, n, host, _ in copies if n]
+                       for event, device, names, n, host, _ in copies if n]
         self.sink.pump()  # the previous step's record, while the device works on this one
 
         def make() -> dict[str, Any]:
-            event.synchronize()
             host_list = []
-            for _, names, n, host, extras in copies:
+            for event, _, names, n, host, extras in copies:
+                event.synchronize()
                 flat = host
                 if n:
                     flat = torch.cat([host[:len(names) * k], host[len(names) * k + n:]])
