@@ -26,7 +26,9 @@ calls through shut gates (counted with every gate open, priced side by side on a
 module). Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a
 selected run), ``--held-writer`` (a selected variant whose writer starts only after the
 run), ``--python-switch`` (a selected variant whose writer leaves the switch interval at
-Python's 5 ms), ``--profile`` (cProfile of a selected run), ``--only`` (fewer variants).
+Python's 5 ms), ``--switch-variants`` (other intervals), ``--process-writer`` (a selected
+variant whose writer is a child process), ``--profile`` (cProfile of a selected run),
+``--only`` (fewer variants).
 
 ``--width/--layers`` build a Llama-style random-weight model of that size on the device
 (nothing is downloaded); without them ``--model`` is a built-in tiny model.
@@ -258,6 +260,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         results["selected, writer held"] = []
     if args.python_switch:
         results["selected, 5 ms switch"] = []
+    if args.process_writer:
+        results["selected, process writer"] = []
     switches = {f"selected, {float(v) * 1e3:g} ms switch": float(v)
                 for v in args.switch_variants.split(",") if v}
     for variant in switches:
@@ -280,6 +284,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 extra = {"switch_interval_s": 0.0} if variant == "selected, 5 ms switch" else {}
                 if variant in switches:
                     extra = {"switch_interval_s": switches[variant]}
+                if variant == "selected, process writer":
+                    policy, extra = EVERY_DECODE, {"writer": "process"}
                 HOLD["writer"] = variant == "selected, writer held"
                 out = Path(tmp) / f"{variant}-{round_}"
                 engine = HFEngine.from_loaded(
@@ -488,6 +494,10 @@ def main() -> None:
                         help="diagnostic: add a variant 'selected, 5 ms switch' whose writer "
                              "leaves the interpreter's switch interval at Python's 5 ms "
                              "(options.capture.switch_interval_s = 0)")
+    parser.add_argument("--process-writer", action="store_true",
+                        help="add a variant 'selected, process writer': the dataset work in "
+                             "a child process that maps a shared ring (options.capture.writer "
+                             "= process)")
     parser.add_argument("--switch-variants", default="",
                         help="diagnostic: comma-separated switch intervals in seconds (e.g. "
                              "0.0001,0.002), each a 'selected' variant whose writer lowers the "

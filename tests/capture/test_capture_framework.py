@@ -24,6 +24,8 @@ from enginetap.engines.hf.arming import disarm
 from enginetap.replay import replay_dataset
 
 PROMPTS = ["kernels and caches meet the scheduler", "a shorter prompt", "hi"]
+WRITERS = ["thread", "process"]
+"""Where the capture writer's dataset work runs: the engine's process, or a child."""
 
 
 def _requests(new: int = 6) -> list[Request]:
@@ -48,9 +50,10 @@ def armed_engine(tmp_path):
     disarm()
 
 
-def test_armed_capture_keeps_tokens_and_replays(tmp_path, armed_engine):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_armed_capture_keeps_tokens_and_replays(tmp_path, armed_engine, writer):
     disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
-    engine = armed_engine()
+    engine = armed_engine(writer=writer)
     armed = [c.output_ids for c in engine.generate(_requests())]
     disarm()
     assert armed == disarmed
@@ -65,6 +68,41 @@ def test_armed_capture_keeps_tokens_and_replays(tmp_path, armed_engine):
     assert receipt.layer and receipt.notes["probe"] and receipt.notes["adapter"]
     assert set(receipt.request_ids) <= {"r0", "r1", "r2"}
     assert receipt.notes["model"]["config_sha256"]
+
+
+def test_the_process_writer_stores_what_the_thread_writer_stores(tmp_path):
+    """The same capture written by the writer thread and by the writer process: the same
+    workloads, bit for bit, with the same receipts but for their times."""
+    import torch
+
+    stored = {}
+    for writer in WRITERS:
+        engine = HFEngine.from_builtin("llama", arm=_armed(tmp_path / writer, writer=writer))
+        engine.generate(_requests())
+        disarm()
+        dataset = Dataset(tmp_path / writer / "ds")
+        assert validate_dataset(dataset.root) == []
+        found = {}
+        for name in dataset.definitions():
+            for line in dataset.workloads(name):
+                r = line.enginetap.receipt
+                found[(name, r.step, r.layer, tuple(r.request_ids))] = (
+                    dataset.load_inputs(line), dataset.load_outputs(line),
+                    r.model_dump(exclude={"created_at"}))
+        stored[writer] = found
+    thread, process = stored["thread"], stored["process"]
+    assert thread and set(thread) == set(process)
+    for key, (inputs, outputs, receipt) in thread.items():
+        other_inputs, other_outputs, other_receipt = process[key]
+        assert receipt == other_receipt
+        for mine, theirs in ((inputs, other_inputs), (outputs, other_outputs)):
+            assert set(mine) == set(theirs)
+            for name, value in mine.items():
+                if isinstance(value, torch.Tensor):
+                    assert value.dtype == theirs[name].dtype
+                    assert torch.equal(value.view(torch.uint8), theirs[name].view(torch.uint8))
+                else:
+                    assert value == theirs[name]
 
 
 def test_unselected_steps_copy_no_tensor(tmp_path, armed_engine):
@@ -149,11 +187,12 @@ def test_selector_picks_per_request_with_labels_that_arrive_late(tmp_path):
     assert selector.skipped_steps == 5
 
 
-def test_a_write_error_stops_capture_and_the_engine_goes_on(tmp_path, armed_engine):
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_write_error_stops_capture_and_the_engine_goes_on(tmp_path, armed_engine, writer):
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "blob").write_text("a file where the blob folder belongs")
     disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
-    engine = armed_engine()
+    engine = armed_engine(writer=writer)
     assert [c.output_ids for c in engine.generate(_requests())] == disarmed
     disarm()
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
@@ -179,8 +218,9 @@ def test_a_failing_probe_disarms_itself_and_is_counted(tmp_path, armed_engine, m
     assert "adapter bug" in summary["disabled_probes"]["test.broken"]
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 def test_a_failed_device_check_refuses_the_workload_and_disables_its_probe(
-        tmp_path, armed_engine, monkeypatch):
+        tmp_path, armed_engine, monkeypatch, writer):
     # Adapters check what they assume on the device (no host wait); the writer reads the
     # flags before writing. A failed one: the workload is refused, its probe disabled.
     import dataclasses
@@ -201,7 +241,7 @@ def test_a_failed_device_check_refuses_the_workload_and_disables_its_probe(
 
     monkeypatch.setattr(probes, "PROBES", [dataclasses.replace(real, adapt=adapt)])
     disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
-    engine = armed_engine()
+    engine = armed_engine(writer=writer)
     assert [c.output_ids for c in engine.generate(_requests())] == disarmed
     disarm()
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
@@ -210,8 +250,9 @@ def test_a_failed_device_check_refuses_the_workload_and_disables_its_probe(
         summary["disabled_probes"][real.name]
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 def test_a_workload_the_dataset_refuses_is_left_out_alone(tmp_path, armed_engine,
-                                                         monkeypatch):
+                                                         monkeypatch, writer):
     """A refused record in a batch of several (an adapter bug: a norm's output lost its
     last column): only it is left out and its probe disabled; the batch's other workloads
     are written and capture goes on (the dataset refuses a batch as a whole, the writer
@@ -231,7 +272,7 @@ def test_a_workload_the_dataset_refuses_is_left_out_alone(tmp_path, armed_engine
     broken = dataclasses.replace(real, name="test.rmsnorm-cut", adapt=adapt)
     monkeypatch.setattr(probes, "PROBES", [broken, *[p for p in probes.PROBES if p is not real]])
     disarmed = [c.output_ids for c in HFEngine.from_builtin("llama").generate(_requests())]
-    engine = armed_engine()
+    engine = armed_engine(writer=writer)
     assert [c.output_ids for c in engine.generate(_requests())] == disarmed
     disarm()
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())

@@ -32,10 +32,13 @@ EVERY_DECODE = {"name": "gpu-every-decode", "prefill": True, "decode_steps": lis
 # tolerance, as they should (measured on the H200: 5 of 18,688 output elements up to 1.2e-5
 # off at |x| ~ 0.007, where the float32 reference is within 7.5e-8 of float64; without fla
 # the float32 capture passes).
+@pytest.mark.parametrize("writer", ["thread", "process"])
 @pytest.mark.parametrize(("model", "dtype"), [("llama", torch.float32),
                                               ("qwen3_next", torch.bfloat16)])
 def test_capture_on_cuda_keeps_tokens_and_replays(tmp_path, model: str,
-                                                  dtype: torch.dtype) -> None:
+                                                  dtype: torch.dtype, writer: str) -> None:
+    # the process writer: the engine copies into a shared ring (a memfd registered with
+    # CUDA) that the writer process maps
     # padded batch of unequal prompts: a mask, hence repeat_kv and left-padded caches
     prompts = [list(range(3, 3 + n)) for n in (23, 9, 40, 1)]
     requests = [Request(request_id=f"g{i}", prompt_ids=p, max_new_tokens=6)
@@ -44,7 +47,7 @@ def test_capture_on_cuda_keeps_tokens_and_replays(tmp_path, model: str,
         model, device="cuda", dtype=dtype).generate(requests)]
     config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=tmp_path / "run",
                        options={"capture": {"dataset": str(tmp_path / "ds"),
-                                            "policy": EVERY_DECODE}})
+                                            "policy": EVERY_DECODE, "writer": writer}})
     engine = HFEngine.from_builtin(model, device="cuda", dtype=dtype, arm=config)
     try:
         armed = [c.output_ids for c in engine.generate(requests)]

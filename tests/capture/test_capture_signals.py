@@ -18,11 +18,12 @@ from enginetap.dataset import Dataset, validate_dataset
 LOOP = Path(__file__).with_name("capture_loop.py")
 
 
-def _start(out: Path, rounds: int = 10_000) -> subprocess.Popen:
+def _start(out: Path, rounds: int = 10_000, writer: str = "thread") -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     # SIGINT at its default in the child: a background job (CI started with `&`) inherits
     # it ignored, and an ignored SIGINT is rightly ignored by capture too
-    return subprocess.Popen([sys.executable, str(LOOP), str(out), str(rounds)], env=env,
+    return subprocess.Popen([sys.executable, str(LOOP), str(out), str(rounds), writer],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -60,16 +61,48 @@ def _wait_for_a_line(root: Path, timeout: float = 60) -> None:
     raise AssertionError(f"no workload line under {root} within {timeout}s")
 
 
+def _writer_pid(proc: subprocess.Popen, timeout: float = 240) -> int:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = proc.stdout.readline()
+        if got.startswith("writer pid "):
+            return int(got.split()[-1])
+        if not got and proc.poll() is not None:
+            raise AssertionError(f"capture loop ended early: {proc.stderr.read()[-3000:]}")
+    raise AssertionError("the capture loop did not name its writer process")
+
+
+def _wait_gone(pid: int, timeout: float = 120) -> None:
+    """Wait for a process that is not our child (the killed loop's writer) to exit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"writer process {pid} still running {timeout}s after its engine died")
+
+
 @pytest.mark.slow
-def test_sigkill_at_several_points_leaves_no_torn_record(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_sigkill_at_several_points_leaves_no_torn_record(tmp_path, writer):
+    # with the process writer the engine's process dies and its writer, left alone,
+    # writes what it received and exits
     for point, (after_round, extra_s) in enumerate([(0, 0.0), (1, 0.15), (2, 0.4)]):
         out = tmp_path / f"kill{point}"
-        proc = _start(out)
+        proc = _start(out, writer=writer)
+        child = _writer_pid(proc) if writer == "process" else None
         _wait_for(proc, f"round {after_round}")
         _wait_for_a_line(out / "ds")
         time.sleep(extra_s)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
+        if child is not None:
+            _wait_gone(child)
         problems = validate_dataset(out / "ds")
         # a kill between a blob and its line can leave an orphan blob (reported, never a
         # torn line); everything a line names is complete and loads
@@ -78,9 +111,10 @@ def test_sigkill_at_several_points_leaves_no_torn_record(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("writer", ["thread", "process"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_flush_the_writer(tmp_path, signum):
-    proc = _start(tmp_path)
+def test_sigterm_and_sigint_flush_the_writer(tmp_path, signum, writer):
+    proc = _start(tmp_path, writer=writer)
     _wait_for(proc, "round 1")
     proc.send_signal(signum)
     try:

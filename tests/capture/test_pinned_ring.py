@@ -85,3 +85,37 @@ def test_cuda_copies_keep_the_bytes_the_engine_overwrites_next() -> None:
     got = copies.wait()
     assert torch.equal(got["x"], before)
     copies.release()
+
+
+def test_a_shared_ring_is_seen_by_another_mapping_and_messages_round_trip() -> None:
+    """The process writer's ring (a memfd) and its messages: a tensor in the ring is named
+    by its offset and read where another mapping of the ring sees it; a tensor that found
+    no room travels in the payload; scalars travel as they are."""
+    import mmap
+
+    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.pinned import shared_ring
+    from enginetap.capture.procwriter import describe_values, rebuild_values
+
+    ring = shared_ring(4 * ALIGN, pin=False)
+    other = torch.frombuffer(mmap.mmap(ring.fd, ring.capacity), dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    values = {"x": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+              "ids": torch.arange(7, dtype=torch.int32), "flag": torch.ones((), dtype=torch.bool),
+              "eps": 1e-6, "n": 3}
+    copies = HostCopies.of(values, shared=ring)
+    big = HostCopies.of({"y": torch.randn(64, 64, generator=gen)}, shared=ring)  # no room
+    assert copies.region is not None and big.region is None
+    payload = bytearray()
+    message = {**describe_values(copies.wait(), ring, payload),
+               **describe_values(big.wait(), ring, payload)}
+    assert "ring" in message["x"] and "payload" in message["y"]
+    assert message["eps"] == {"scalar": 1e-6}
+    back = rebuild_values(message, other, bytes(payload))
+    for name, value in {**values, "y": big.values["y"]}.items():
+        if isinstance(value, torch.Tensor):
+            assert back[name].dtype == value.dtype and torch.equal(back[name], value)
+        else:
+            assert back[name] == value
+    copies.release()
+    assert ring.held == 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from enginetap.capture.pinned import ALIGN, Region, ring_for
+from enginetap.capture.pinned import ALIGN, PinnedRing, Region, ring_for
 
 __all__ = ["STATS", "CopyStats", "HostCopies", "host_copy"]
 
@@ -50,16 +50,23 @@ class HostCopies:
     region: Region | None = None
 
     @classmethod
-    def of(cls, values: dict[str, Any], ring_bytes: int = 0) -> HostCopies:
+    def of(cls, values: dict[str, Any], ring_bytes: int = 0,
+           shared: PinnedRing | None = None) -> HostCopies:
         """Copy ``values``' tensors out; CUDA tensors go into one region of the process's
-        pinned ring of ``ring_bytes`` when it has room (else fresh pinned memory)."""
+        pinned ring of ``ring_bytes`` when it has room (else fresh pinned memory). With
+        ``shared`` (the ring a writer process maps) every tensor goes into one region of
+        it, CPU tensors too, when it has room."""
         device = next((v.device for v in values.values()
                        if isinstance(v, torch.Tensor) and v.is_cuda), None)
-        region = _reserve(values, device, ring_bytes) if device is not None else None
+        if shared is not None:
+            region = shared.reserve(sum(_aligned(v) for v in values.values()
+                                        if isinstance(v, torch.Tensor)))
+        else:
+            region = _reserve(values, device, ring_bytes) if device is not None else None
         copied, nbytes, offset = {}, 0, 0
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
-                if region is not None and value.is_cuda:
+                if region is not None and (value.is_cuda or shared is not None):
                     value, offset = _into(region, offset, value)
                 else:
                     value = host_copy(value)
@@ -99,5 +106,5 @@ def _into(region: Region, offset: int, value: torch.Tensor) -> tuple[torch.Tenso
     STATS.tensors += 1
     STATS.bytes += value.numel() * value.element_size()
     target = region.take(offset, value.shape, value.dtype)
-    target.copy_(value.detach(), non_blocking=True)
+    target.copy_(value.detach(), non_blocking=value.is_cuda)
     return target, offset + _aligned(value)

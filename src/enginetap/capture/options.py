@@ -75,6 +75,10 @@ class CaptureOptions(BaseModel):
     (None: ``<out_dir>/capture-labels.json``). Re-read when it changes."""
     batch: int = Field(default=16, ge=1)
     """Workloads the writer commits at once."""
+    writer: Literal["thread", "process"] = "thread"
+    """Where the dataset work runs: a thread of the engine's process, or a child process
+    that maps a shared ring the engine copies into (its Python then never holds the
+    engine's GIL; see :mod:`enginetap.capture.procwriter`)."""
     switch_interval_s: float = Field(default=0.0005, ge=0.0, le=0.1)
     """While the writer has work, the interpreter's thread switch interval
     (``sys.setswitchinterval``) is at most this (0: left alone). The writer's checks and

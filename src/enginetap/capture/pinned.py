@@ -12,13 +12,18 @@ allocation; nothing waits here.
 
 from __future__ import annotations
 
+import logging
+import mmap
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PinnedRing", "Region", "ring_for"]
+__all__ = ["PinnedRing", "Region", "ring_for", "shared_ring"]
+
+logger = logging.getLogger("enginetap.capture")
 
 ALIGN = 256
 
@@ -47,13 +52,43 @@ class PinnedRing:
     capacity: int
     pin: bool = True
     """False only to test the ring's bookkeeping on a machine without a GPU."""
+    shared: bool = False
+    """Host memory another process can map (``fd``, a memfd): the capture writer process
+    reads workloads where the engine copied them. Pinned, where ``pin``, by registering
+    it with CUDA."""
     buffer: torch.Tensor = field(init=False)
+    fd: int = -1
     _live: deque[Region] = field(default_factory=deque)
     _head: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _map: mmap.mmap | None = None
 
     def __post_init__(self) -> None:
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin)
+        if not self.shared:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.pin)
+            return
+        self.fd = os.memfd_create("enginetap-capture-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.capacity)
+            self._map = mmap.mmap(self.fd, self.capacity)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        if self.pin and not _register(self.buffer):
+            self.pin = False
+
+    @property
+    def base(self) -> int:
+        """The buffer's address (offsets of tensors in it are taken from here)."""
+        return self.buffer.data_ptr()
+
+    def unpin(self) -> None:
+        """Unregister a shared ring's memory from CUDA (its owner is done with it; the
+        mapping itself goes with the last tensor viewing it)."""
+        if self.shared and self.pin:
+            self.pin = False
+            torch.cuda.cudart().cudaHostUnregister(self.base)
 
     def reserve(self, nbytes: int) -> Region | None:
         """``nbytes`` of the ring after everything still held, or None if they do not fit."""
@@ -93,6 +128,24 @@ class PinnedRing:
         """Bytes between the oldest held region and the head (tests, logs)."""
         with self._lock:
             return sum(r.end - r.start for r in self._live)
+
+
+def _register(buffer: torch.Tensor) -> bool:
+    """Pin ``buffer`` (host memory torch did not allocate) for asynchronous device copies;
+    False (logged) where CUDA refuses or is absent: copies into it then wait."""
+    if not torch.cuda.is_available():
+        return False
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    if code != 0:
+        logger.warning("enginetap capture: cannot pin the shared capture ring (cudaHostRegister "
+                       "returned %s); device copies into it will wait for the device", code)
+        return False
+    return True
+
+
+def shared_ring(capacity: int, pin: bool) -> PinnedRing:
+    """A new ring in shared host memory (for the capture writer process)."""
+    return PinnedRing(capacity, pin=pin, shared=True)
 
 
 _RINGS: dict[str, PinnedRing] = {}

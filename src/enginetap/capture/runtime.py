@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from enginetap.capture.copy import HostCopies
+from enginetap.capture.procwriter import ProcessWriter, copies_for
 from enginetap.capture.labels import RequestLabels
 from enginetap.capture.options import CaptureOptions
 from enginetap.capture.probe import Probe, ProbeCall
@@ -70,12 +70,22 @@ class CaptureRuntime:
         self.provenance = Provenance(hooks.engine, hooks.engine_version(), context_.rank,
                                      context_.world_size)
         self.dataset_root = Path(options.dataset or context_.out_dir / "dataset")
-        self.writer: Writer | None = None
+        self.writer: Writer | ProcessWriter | None = None
         if context_.rank == 0:  # rank 0 writes the logical op, rebuilt from every rank
             dataset = Dataset(self.dataset_root, create=True)
-            self.writer = Writer(dataset, budget_bytes=options.budget_bytes,
-                                 when_full=options.when_full, batch=options.batch,
-                                 switch_interval_s=options.switch_interval_s)
+            if options.writer == "process":
+                try:
+                    self.writer = ProcessWriter(dataset.root, budget_bytes=options.budget_bytes,
+                                                when_full=options.when_full,
+                                                batch=options.batch)
+                except OSError as exc:  # no memfd, no room to map the ring, cannot spawn
+                    logger.warning("enginetap capture: cannot start the writer process (%s); "
+                                   "writing from a thread of this process instead. Fix: "
+                                   "lower options.capture.budget_bytes or free memory", exc)
+            if self.writer is None:
+                self.writer = Writer(dataset, budget_bytes=options.budget_bytes,
+                                     when_full=options.when_full, batch=options.batch,
+                                     switch_interval_s=options.switch_interval_s)
         self.patches = PatchSet("capture")
         self.gate = Gate(is_open=False)
         """Open during selected steps only."""
@@ -277,10 +287,10 @@ class CaptureRuntime:
             ring = self.options.budget_bytes  # the pinned ring holds what the budget allows
             checks = None
             if extracted.checks:
-                checks = HostCopies.of({str(i): flag.reshape(1) for i, (flag, _)
-                                        in enumerate(extracted.checks)}, ring)
-            item = Item(definition, HostCopies.of(extracted.inputs, ring),
-                        HostCopies.of(extracted.outputs, ring),
+                checks = copies_for({str(i): flag.reshape(1) for i, (flag, _)
+                                     in enumerate(extracted.checks)}, self.writer, ring)
+            item = Item(definition, copies_for(extracted.inputs, self.writer, ring),
+                        copies_for(extracted.outputs, self.writer, ring),
                         lambda: self.provenance.receipt(facts, self._labels_of(facts.keys)),
                         lambda why: self._refused(probe, why), checks,
                         tuple(what for _, what in extracted.checks))
