@@ -38,7 +38,7 @@ import torch
 
 from enginetap.capture.copy import HostCopies
 from enginetap.capture.pinned import PinnedRing, shared_ring
-from enginetap.capture.writer import _POLL_S, Item, WriterStats
+from enginetap.capture.writer import _POLL_S, Item, WriterStats, admit
 from enginetap.dataset.dtypes import name_of, torch_dtype
 
 logger = logging.getLogger("enginetap.capture")
@@ -161,21 +161,7 @@ class ProcessWriter:
 
     def submit(self, item: Item) -> bool:
         """Hand ``item`` over; False when it was dropped (counted)."""
-        if self.stats.error or self._closed:
-            self.stats.dropped_after_error += 1
-            item.release()
-            return False
-        if self.held > 0 and self.held + item.nbytes > self.budget:
-            if self.when_full == "drop":
-                self.stats.dropped_full += 1
-                item.release()
-                return False
-            while (self.held > 0 and self.held + item.nbytes > self.budget
-                   and not self.stats.error and self._receiver.is_alive()):
-                time.sleep(_POLL_S)
-        self._submitted += item.nbytes
-        self._pending.append(item)
-        return True
+        return admit(self, item, self._receiver)
 
     def close(self, timeout: float | None = None) -> WriterStats:
         """Send everything, let the child write it and exit; return the counts."""

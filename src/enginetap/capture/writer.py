@@ -45,7 +45,7 @@ from enginetap.errors import DatasetError
 
 logger = logging.getLogger("enginetap.capture")
 
-__all__ = ["Item", "Writer", "WriterStats"]
+__all__ = ["Item", "Writer", "WriterStats", "admit"]
 
 _POLL_S = 0.001
 """How often a writer with work, or an engine thread waiting for budget, looks again."""
@@ -103,6 +103,27 @@ class WriterStats:
     per_definition: dict[str, int] = field(default_factory=dict)
 
 
+def admit(writer: Any, item: Item, worker: threading.Thread) -> bool:
+    """The engine thread's side of a writer (this one or the process writer): drop
+    ``item`` after an error or close, apply the budget (``drop``, or ``wait`` while
+    ``worker`` lives), else queue it. False when it was dropped (counted)."""
+    if writer.stats.error or writer._closed:
+        writer.stats.dropped_after_error += 1
+        item.release()
+        return False
+    if writer.held > 0 and writer.held + item.nbytes > writer.budget:
+        if writer.when_full == "drop":
+            writer.stats.dropped_full += 1
+            item.release()
+            return False
+        while (writer.held > 0 and writer.held + item.nbytes > writer.budget
+               and not writer.stats.error and worker.is_alive()):
+            time.sleep(_POLL_S)
+    writer._submitted += item.nbytes
+    writer._pending.append(item)
+    return True
+
+
 class Writer:
     """See the module docstring. Raises nothing into the engine thread."""
 
@@ -132,21 +153,7 @@ class Writer:
 
     def submit(self, item: Item) -> bool:
         """Hand ``item`` to the writer; False when it was dropped (counted)."""
-        if self.stats.error or self._closed:
-            self.stats.dropped_after_error += 1
-            item.release()
-            return False
-        if self.held > 0 and self.held + item.nbytes > self.budget:
-            if self.when_full == "drop":
-                self.stats.dropped_full += 1
-                item.release()
-                return False
-            while (self.held > 0 and self.held + item.nbytes > self.budget
-                   and not self.stats.error and self._thread.is_alive()):
-                time.sleep(_POLL_S)
-        self._submitted += item.nbytes
-        self._pending.append(item)
-        return True
+        return admit(self, item, self._thread)
 
     def close(self, timeout: float | None = None) -> WriterStats:
         """Write everything submitted, stop the thread, and return the counts."""
