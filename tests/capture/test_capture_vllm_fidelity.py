@@ -75,6 +75,10 @@ def runs(model_dir, tmp_path_factory: pytest.TempPathFactory):
             jobs = [job(k) for k in keys]
             cli = tmp_path_factory.mktemp("cli-capture")
             model_dir("llama")
+            process = tmp_path_factory.mktemp("llama-process-writer")
+            keys.append(("process",))
+            jobs.append(lambda: run_capture(model_dir("llama"), process,
+                                            capture={"writer": "process"}))
             keys.append(("cli",))
             jobs.append(lambda: (cli, subprocess.run(
                 [sys.executable, "-m", "enginetap.cli.main", "capture", "--engine", "vllm",
@@ -90,7 +94,12 @@ def runs(model_dir, tmp_path_factory: pytest.TempPathFactory):
         get("llama")
         return done[("cli",)]
 
+    def process() -> Any:
+        get("llama")
+        return done[("process",)]
+
     get.cli = cli  # type: ignore[attr-defined]
+    get.process = process  # type: ignore[attr-defined]
     return get
 
 
@@ -154,6 +163,19 @@ def test_the_path_without_amx_captures_and_replays(runs):
     assert mla and all("CPUMLAImpl.forward_mqa ran" in str(r["notes"]) for r in mla)
     experts = receipts(run.dataset, "moe_experts_swiglu")
     assert experts and all("vec prepacked" in str(r["notes"]) for r in experts)
+
+
+def test_the_writer_process_captures_inside_vllm(runs):
+    # options.capture.writer = process: the dataset work in a child of vLLM's engine
+    # process, fed through a shared ring; same tokens, a complete summary, all replays
+    run = runs.process()
+    assert run.tokens == runs("llama", armed=False).tokens
+    summary = run.summary()
+    assert not summary["write_error"] and summary["disabled_probes"] == {}, summary
+    assert summary["written"] == sum(summary["per_definition"].values()) > 0
+    assert EXPECTED["llama"] <= families(run.dataset), families(run.dataset)
+    statuses, failures = replay_failures(run.dataset)
+    assert statuses and not failures, "\n".join(failures)
 
 
 def test_cli_captures_from_vllm_and_every_workload_replays(runs):

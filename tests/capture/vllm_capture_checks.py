@@ -34,14 +34,16 @@ class CaptureRun:
 
 
 def run_capture(model: Path, out: Path, *, armed: bool = True, tp: int = 1,
-                hide_amx: bool = False, timeout: float = 400) -> CaptureRun:
-    """Run the fixed workload on vLLM CPU in a child process (armed with capture or not)."""
+                hide_amx: bool = False, timeout: float = 400,
+                capture: dict | None = None) -> CaptureRun:
+    """Run the fixed workload on vLLM CPU in a child process (armed with capture, with
+    ``capture`` options, or not)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # TP=2 on a 2-core, 1-NUMA-node machine
     if armed:
         config = {"enabled": True, "capabilities": ["capture"], "out_dir": str(out),
-                  "options": {"capture": {}}}
+                  "options": {"capture": capture or {}}}
         (out / "arming.json").write_text(json.dumps(config))
         env["ENGINETAP_CONFIG"] = str(out / "arming.json")
     args = [sys.executable, str(RUN_SCRIPT), str(model), str(out / "report.json"),
