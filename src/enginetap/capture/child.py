@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import signal
 import sys
 import threading
@@ -65,7 +66,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
     ring = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)
-    report = _Report(sys.stdout.buffer)
+    # the reports get standard output to themselves: anything printed goes to stderr
+    report = _Report(os.fdopen(os.dup(1), "wb"))
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     writer = Writer(Dataset(root, create=True), budget_bytes=1 << 62, batch=batch)
     definitions: dict[str, Definition] = {}
     told_error = False
