@@ -119,3 +119,22 @@ def test_a_shared_ring_is_seen_by_another_mapping_and_messages_round_trip() -> N
             assert back[name] == value
     copies.release()
     assert ring.held == 0
+
+
+def test_a_shared_ring_that_cuda_cannot_pin_is_used_unpinned(monkeypatch, caplog) -> None:
+    """Where registering the shared ring with CUDA fails, the ring still works (device
+    copies into it then wait), and the log says why."""
+    from enginetap.capture import pinned
+
+    def refuse():
+        raise RuntimeError("no cudart binding in this build")
+
+    monkeypatch.setattr(pinned.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pinned.torch.cuda, "cudart", refuse)
+    with caplog.at_level("WARNING", logger="enginetap.capture"):
+        ring = pinned.shared_ring(4 * ALIGN, pin=True)
+    assert not ring.pin and "cannot pin the shared capture ring" in caplog.text
+    region = ring.reserve(ALIGN)
+    assert region is not None
+    region.take(0, torch.Size([4]), torch.int32).fill_(7)
+    assert ring.buffer[:16].view(torch.int32).tolist() == [7, 7, 7, 7]

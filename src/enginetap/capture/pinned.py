@@ -135,10 +135,13 @@ def _register(buffer: torch.Tensor) -> bool:
     False (logged) where CUDA refuses or is absent: copies into it then wait."""
     if not torch.cuda.is_available():
         return False
-    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    try:
+        code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    except Exception as exc:  # noqa: BLE001 - a torch build without the binding, a CUDA error
+        code = f"{type(exc).__name__}: {exc}"
     if code != 0:
-        logger.warning("enginetap capture: cannot pin the shared capture ring (cudaHostRegister "
-                       "returned %s); device copies into it will wait for the device", code)
+        logger.warning("enginetap capture: cannot pin the shared capture ring (cudaHostRegister: "
+                       "%s); device copies into it will wait for the device", code)
         return False
     return True
 
