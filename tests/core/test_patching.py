@@ -211,9 +211,9 @@ def test_a_shut_gate_calls_the_original_and_an_open_one_the_wrapper():
     gate = Gate(is_open=False)
     with PatchSet("t", [Patch(Target.parse(RMS), spy, gate)]):
         assert torch.equal(norm(x), expected) and seen == []  # shut: the wrapper never ran
-        gate.open()
+        gate.set(True)
         assert torch.equal(norm(x), expected) and seen == [norm]
-        gate.shut()
+        gate.set(False)
         norm(x)
         assert seen == [norm]
     norm(x)  # uninstalled: the class holds the original again

@@ -45,15 +45,9 @@ class RequestLabels:
     def add(self, labels: dict[str, dict[str, Any]]) -> None:
         self._direct.update(labels)
 
-    def get(self, key: str) -> dict[str, Any]:
-        """``key``'s labels, the file re-read first if it changed."""
-        if key not in self._direct:
-            self.refresh()
-        return self.peek(key)
-
     def peek(self, key: str) -> dict[str, Any]:
-        """``key``'s labels as last read (no look at the file: for per-row loops on the
-        engine's hot path, after one :meth:`refresh` per step)."""
+        """``key``'s labels as last read (no look at the file: callers :meth:`refresh`
+        once for many keys)."""
         return self._direct.get(key) or self._from_file.get(key) or {}
 
     def refresh(self) -> None:

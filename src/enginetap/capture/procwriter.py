@@ -23,6 +23,7 @@ it runs :class:`~enginetap.capture.writer.Writer` on the received workloads.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 import subprocess
@@ -39,6 +40,7 @@ import torch
 from enginetap.capture.copy import HostCopies
 from enginetap.capture.pinned import PinnedRing, shared_ring
 from enginetap.capture.writer import _POLL_S, Item, WriterStats, admit
+from enginetap.dataset.blobs import byte_view
 from enginetap.dataset.dtypes import name_of, torch_dtype
 
 logger = logging.getLogger("enginetap.capture")
@@ -85,7 +87,8 @@ def describe_values(values: dict[str, Any], ring: PinnedRing,
             continue
         host = value.detach().to("cpu").contiguous()
         out[name] = {"payload": len(payload), "nbytes": nbytes, "dtype": dtype, "shape": shape}
-        payload += host.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
+        if nbytes:
+            payload += byte_view(host)
     return out
 
 
@@ -98,10 +101,7 @@ def rebuild_values(described: dict[str, Any], ring: torch.Tensor,
             out[name] = entry["scalar"]
             continue
         dtype, shape = torch_dtype(entry["dtype"]), entry["shape"]
-        count = 1
-        for n in shape:
-            count *= n
-        nbytes = count * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if "ring" in entry:
             start = entry["ring"]
             raw = ring[start:start + nbytes]

@@ -88,9 +88,7 @@ class CaptureRuntime:
                                      switch_interval_s=options.switch_interval_s)
         self.patches = PatchSet("capture")
         self.gate = Gate(is_open=False)
-        """Open during selected steps only."""
-        self._open = False
-        """Whether the gate is open now (set only through :meth:`_select`)."""
+        """Open during selected steps only (set only through :meth:`_select`)."""
         scope = context_.notes.get("scope")
         self.scope: ScopeUse | None = scope if isinstance(scope, ScopeUse) else None
         self.installed_targets: set[str] = set()
@@ -127,17 +125,16 @@ class CaptureRuntime:
     def _on_begin(self, step: Any) -> None:
         self.selector.on_begin(step)
         selected = self.selector.selected_step is not None
-        if selected or self._open:  # open, or still open after an abandoned step
+        if selected or self.gate.is_open:  # open, or still open after an abandoned step
             self._select(selected)
 
     def _on_end(self, step: Any) -> None:
-        if self._open:
+        if self.gate.is_open:
             self._select(False)
         self.selector.on_end(step)
 
     def _select(self, selected: bool) -> None:
         """Open the probes' gate (and ask for the module scope) for a selected step."""
-        self._open = selected
         self.gate.set(selected)
         if self.scope is not None:
             self.scope.need("capture", selected)

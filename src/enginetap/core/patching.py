@@ -58,7 +58,7 @@ class Gate:
     """Open or shut for the patches given it; open when made.
 
     wrapt asks :attr:`check` on every call of a gated patch; it is built from C callables
-    (no Python frame), and :meth:`open`/:meth:`shut` are for step boundaries.
+    (no Python frame); :meth:`set` is for step boundaries.
     """
 
     __slots__ = ("_flag", "check")
@@ -73,12 +73,6 @@ class Gate:
 
     def set(self, is_open: bool) -> None:
         self._flag[0] = is_open
-
-    def open(self) -> None:
-        self._flag[0] = True
-
-    def shut(self) -> None:
-        self._flag[0] = False
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from enginetap.dataset.files import NotRegular, open_regular, path_of_fd
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Header", "blob_chunks", "host_tensors", "load_tensors", "read_header", "save_blob"]
+__all__ = ["Header", "blob_chunks", "byte_view", "host_tensors", "load_tensors", "read_header",
+           "save_blob"]
 
 Header = dict[str, tuple[str, tuple[int, ...]]]
 """Tensor key -> (schema dtype name, shape), as a blob's header records them."""
@@ -82,8 +83,6 @@ def blob_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]
     """The safetensors file of ``tensors`` (as :func:`host_tensors` returns them) as
     buffers to write in order: the header, then each tensor's bytes, viewed, not copied.
     None when a tensor's dtype is not in this writer's table (or is a 0-d packed fp4)."""
-    import torch
-
     order = []
     for name, tensor in tensors.items():
         layout = _LAYOUT.get(str(tensor.dtype)[6:])
@@ -101,12 +100,19 @@ def blob_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]
         size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         if size:
-            chunks.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            chunks.append(byte_view(tensor))
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     chunks[0] = struct.pack("<Q", len(text)) + text
     return chunks
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU ``tensor`` (not empty), viewed in place."""
+    import torch
+
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def read_header(path: Path) -> Header | str:
