@@ -78,6 +78,10 @@ class HostCopies:
             event.record(torch.cuda.current_stream(device))
         return cls(copied, event, nbytes, region)
 
+    def landed(self) -> bool:
+        """Whether the copies are done (never waits: a CUDA event query)."""
+        return self.event is None or bool(self.event.query())
+
     def wait(self) -> dict[str, Any]:
         if self.event is not None:
             self.event.synchronize()

@@ -15,17 +15,23 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import struct
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PinnedRing", "Region", "ring_for", "shared_ring"]
+__all__ = ["CONTROL_BYTES", "PinnedRing", "Region", "ring_for", "set_control", "shared_ring"]
 
 logger = logging.getLogger("enginetap.capture")
 
 ALIGN = 256
+
+_WORD = struct.Struct("<q")
+CONTROL_BYTES = ALIGN
+"""A shared ring's memory past its capacity: control words the writer process sets
+(see :mod:`enginetap.capture.procwriter`)."""
 
 
 @dataclass(eq=False)
@@ -55,7 +61,8 @@ class PinnedRing:
     shared: bool = False
     """Host memory another process can map (``fd``, a memfd): the capture writer process
     reads workloads where the engine copied them. Pinned, where ``pin``, by registering
-    it with CUDA."""
+    it with CUDA. The memory holds :data:`CONTROL_BYTES` more, past ``capacity``: the
+    control word (:meth:`control`)."""
     buffer: torch.Tensor = field(init=False)
     fd: int = -1
     _live: deque[Region] = field(default_factory=deque)
@@ -69,14 +76,21 @@ class PinnedRing:
             return
         self.fd = os.memfd_create("enginetap-capture-ring", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, self.capacity)
-            self._map = mmap.mmap(self.fd, self.capacity)
+            os.ftruncate(self.fd, self.capacity + CONTROL_BYTES)
+            self._map = mmap.mmap(self.fd, self.capacity + CONTROL_BYTES)
         except OSError:
             os.close(self.fd)
             raise
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=self.capacity)
         if self.pin and not _register(self.buffer):
             self.pin = False
+
+    def control(self, word: int = 0) -> int:
+        """A shared ring's control word ``word`` (-1 until the writer process sets it): a
+        read of shared memory, no system call."""
+        if self._map is None:
+            return -1
+        return _WORD.unpack_from(self._map, self.capacity + word * _WORD.size)[0]
 
     @property
     def base(self) -> int:
@@ -147,8 +161,18 @@ def _register(buffer: torch.Tensor) -> bool:
 
 
 def shared_ring(capacity: int, pin: bool) -> PinnedRing:
-    """A new ring in shared host memory (for the capture writer process)."""
-    return PinnedRing(capacity, pin=pin, shared=True)
+    """A new ring in shared host memory (for the capture writer process), its control
+    words at -1."""
+    ring = PinnedRing(capacity, pin=pin, shared=True)
+    for word in range(CONTROL_BYTES // _WORD.size):
+        set_control(ring._map, capacity, -1, word)  # type: ignore[arg-type]
+    return ring
+
+
+def set_control(mapping: mmap.mmap, capacity: int, value: int, word: int = 0) -> None:
+    """Set control word ``word`` of a shared ring of ``capacity`` bytes mapped at
+    ``mapping`` (the writer process's side of :meth:`PinnedRing.control`)."""
+    _WORD.pack_into(mapping, capacity + word * _WORD.size, value)
 
 
 _RINGS: dict[str, PinnedRing] = {}

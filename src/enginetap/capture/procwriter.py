@@ -4,9 +4,10 @@ The thread writer (:mod:`enginetap.capture.writer`) does its dataset work in the
 interpreter: its Python holds the GIL that the engine thread gives back at every torch
 call. On the H200 that cost a decode step with every call selected 7.4 ms of 33.8
 (BENCHMARKS.md). Here the dataset work runs in a child process, against the same
-dataset code; the engine's process keeps only a sender thread (wait for a workload's
-copies, build its receipt, send a small JSON message) and a receiver thread (give ring
-space back as the child reports workloads done).
+dataset code; the engine's process keeps a sender thread (send the workloads whose
+copies are done as small JSON messages; give ring space back as the child reports
+workloads done) and a receiver thread (refusals, an error, the end). See
+:class:`ProcessWriter` for why they make so few system calls.
 
 The tensors do not travel through the pipe: the engine copies them into a ring of shared
 host memory (a memfd, pinned for the device where CUDA allows it) that the child maps,
@@ -39,21 +40,31 @@ import torch
 
 from enginetap.capture.copy import HostCopies
 from enginetap.capture.pinned import PinnedRing, shared_ring
-from enginetap.capture.writer import _POLL_S, Item, WriterStats, admit
+from enginetap.capture.provenance import PendingReceipt
+from enginetap.capture.writer import _IDLE_MAX_S, _POLL_S, Item, WriterStats, admit
 from enginetap.dataset.blobs import byte_view
 from enginetap.dataset.dtypes import name_of, torch_dtype
 
 logger = logging.getLogger("enginetap.capture")
 
-__all__ = ["ProcessWriter", "read_frame", "write_frame"]
+__all__ = ["ProcessWriter", "frame", "read_frame", "write_frame"]
 
 _HEAD = struct.Struct("<II")
+DONE_WORD, REFUSALS_WORD = 0, 1
+"""The shared ring's control words the child sets: the highest ``seq`` up to which it
+is done with every workload; how many refusals it reported (less one: they start at -1),
+counted up before it is done with the refused workload."""
+
+
+def frame(message: dict[str, Any], payload: bytes | bytearray = b"") -> bytes:
+    """One frame: lengths, the JSON message (dataclasses in it as objects), the payload."""
+    text = orjson.dumps(message)
+    return _HEAD.pack(len(text), len(payload)) + text + payload
 
 
 def write_frame(out: IO[bytes], message: dict[str, Any], payload: bytes = b"") -> None:
-    """One frame: lengths, the JSON message, the payload (one write call)."""
-    text = orjson.dumps(message)
-    out.write(_HEAD.pack(len(text), len(payload)) + text + payload)
+    """Write one :func:`frame` and flush it."""
+    out.write(frame(message, payload))
     out.flush()
 
 
@@ -117,7 +128,17 @@ class ProcessWriter:
     """The writer's interface (:class:`~enginetap.capture.writer.Writer`), the work in a
     child process. Raises nothing into the engine thread; a child that cannot start or
     dies stops capture the way a write error does (logged once, later workloads counted
-    as dropped, the engine serves on)."""
+    as dropped, the engine serves on).
+
+    What the engine's process does per workload is kept to a few dictionary lookups and
+    one JSON encoding, and its threads make as few system calls as they can: each one
+    gives up the GIL, and getting it back means queueing behind the engine thread (up to
+    the interpreter's switch interval). So the sender never waits for a copy (it sends the
+    workloads whose copies are done, in order, then sleeps), sends them all in one write,
+    leaves the receipt to the child (it sends the facts, the requests' labels and, when it
+    changed, the provenance), and learns which workloads the child is done with from the
+    ring's control word, not from a message; the receiver thread wakes only for refusals,
+    an error and the end."""
 
     def __init__(self, root: Path, *, budget_bytes: int, when_full: str = "wait",
                  batch: int = 16, pin: bool = True) -> None:
@@ -127,15 +148,16 @@ class ProcessWriter:
         self.stats = WriterStats()
         self.ring = shared_ring(budget_bytes, pin=pin)
         self._pending: deque[Item] = deque()
-        self._inflight: dict[int, Item] = {}
+        self._inflight: deque[tuple[int, Item]] = deque()
         self._sent_definitions: set[str] = set()
+        self._sent_provenance: tuple[int, int] | None = None
         self._seq = 0
+        self._refusals_read = -1
         self._submitted = 0
         self._done = 0
         self._closed = False
-        self._send_lock = threading.Lock()
-        self._count_lock = threading.Lock()
-        """Byte and drop counts are written by both the sender and the receiver thread."""
+        self._lock = threading.Lock()
+        """Guards ``_inflight`` and the counts: the sender, the receiver and close()."""
         # no device and no arming in the writer: it only writes files
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINETAP_")}
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -148,6 +170,8 @@ class ProcessWriter:
         finally:
             os.close(self.ring.fd)  # the child has its own; this process keeps its mapping
             self.ring.fd = -1
+        self._out = self._child.stdin.fileno()  # type: ignore[union-attr]
+        _widen_pipe(self._out)
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name="enginetap-capture-sender")
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
@@ -172,7 +196,9 @@ class ProcessWriter:
             self._child.wait(timeout=5 if timeout is None else timeout)
         except subprocess.TimeoutExpired:
             self._child.kill()
-        if not self._receiver.is_alive():  # every workload released: nothing reads it now
+        if not self._receiver.is_alive():  # the child is gone: nothing reads the ring now
+            self._reap()
+            self._drop_inflight()
             self.ring.unpin()
         return self.stats
 
@@ -180,77 +206,116 @@ class ProcessWriter:
     def _send_loop(self) -> None:
         idle = _POLL_S
         while True:
-            try:
-                item = self._pending.popleft()
-            except IndexError:
-                if self._closed:
-                    break
+            self._reap()
+            ready = self._landed()
+            if ready:
+                self._send(ready)
+                idle = _POLL_S
+            elif self._pending:  # copies still in flight
+                time.sleep(_POLL_S)
+            elif self._closed:
+                break
+            else:
                 time.sleep(idle)
-                idle = min(idle * 2, 0.02)
-                continue
-            idle = _POLL_S
-            self._send(item)
-        self._write({"kind": "close"})
+                idle = min(idle * 2, _IDLE_MAX_S)
+        self._write(frame({"kind": "close"}))
         try:
             self._child.stdin.close()  # type: ignore[union-attr]
         except OSError:
             pass
 
-    def _send(self, item: Item) -> None:
-        if self.stats.error:
-            self._finish(item, dropped=True)
-            return
-        try:
-            failed = item.failed_check()
-            if failed is not None:
-                with self._count_lock:
-                    self.stats.refused += 1
-                if item.refused is not None:
-                    item.refused(failed)
-                self._finish(item)
-                return
-            payload = bytearray()
-            message = {"kind": "workload", "seq": self._seq,
-                       "definition": item.definition.name,
-                       "outputs": describe_values(item.outputs.wait(), self.ring, payload),
-                       "inputs": describe_values(item.inputs.wait(), self.ring, payload),
-                       "receipt": item.receipt().model_dump_json()}
-            if item.definition.name not in self._sent_definitions:
-                message["definition_json"] = item.definition.model_dump_json()
-                self._sent_definitions.add(item.definition.name)
-        except Exception as exc:  # noqa: BLE001 - our bug: stop capture, not the engine
-            self._stop(f"{type(exc).__name__}: {exc}", "this is a bug in enginetap's capture "
-                       "writer; report it with this message")
-            self._finish(item, dropped=True)
-            return
-        self._inflight[self._seq] = item
-        self._seq += 1
-        self._write(message, bytes(payload))
+    def _landed(self) -> list[Item]:
+        """The pending workloads whose copies are done, in order (never waits)."""
+        pending, ready = self._pending, []
+        while pending and pending[0].landed():
+            ready.append(pending.popleft())
+        return ready
 
-    def _write(self, message: dict[str, Any], payload: bytes = b"") -> None:
-        with self._send_lock:
+    def _send(self, items: list[Item]) -> None:
+        frames = []
+        refreshed: set[int] = set()
+        for item in items:
+            if self.stats.error:
+                with self._lock:
+                    self._finish(item, dropped=True)
+                continue
             try:
-                write_frame(self._child.stdin, message, payload)  # type: ignore[arg-type]
-            except (OSError, ValueError):  # the child is gone: the receiver says why
-                pass
+                message, payload = self._message(item, refreshed)
+            except Exception as exc:  # noqa: BLE001 - our bug: stop capture, not the engine
+                self._stop(f"{type(exc).__name__}: {exc}", "this is a bug in enginetap's "
+                           "capture writer; report it with this message")
+                with self._lock:
+                    self._finish(item, dropped=True)
+                continue
+            with self._lock:
+                self._inflight.append((message["seq"], item))
+            frames.append(frame(message, payload))
+        if frames:
+            self._write(b"".join(frames))
+
+    def _message(self, item: Item, refreshed: set[int]) -> tuple[dict[str, Any], bytearray]:
+        payload = bytearray()
+        message: dict[str, Any] = {
+            "kind": "workload", "seq": self._seq, "definition": item.definition.name,
+            "outputs": describe_values(item.outputs.values, self.ring, payload),
+            "inputs": describe_values(item.inputs.values, self.ring, payload)}
+        self._seq += 1
+        if item.checks is not None:
+            message["checks"] = describe_values(item.checks.values, self.ring, payload)
+            message["check_notes"] = list(item.check_notes)
+        receipt = item.receipt
+        if isinstance(receipt, PendingReceipt):
+            provenance = receipt.provenance
+            key = (id(provenance), id(provenance.model))  # the model is set when it loads
+            if key != self._sent_provenance:
+                message["provenance"] = provenance.state()
+                self._sent_provenance = key
+            if id(receipt.labels) not in refreshed:  # the labels file: one look per send
+                receipt.labels.refresh()
+                refreshed.add(id(receipt.labels))
+            message["facts"] = receipt.facts
+            message["labels"] = receipt.labels_now()
+        else:
+            message["receipt"] = receipt().model_dump_json()
+        if item.definition.name not in self._sent_definitions:
+            message["definition_json"] = item.definition.model_dump_json()
+            self._sent_definitions.add(item.definition.name)
+        return message, payload
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._out, view):]
+        except OSError:  # the child is gone: the receiver says why
+            pass
+
+    def _reap(self) -> None:
+        """Give back the ring space of every workload the child is done with: those up
+        to the control word it sets (a read of shared memory, no system call). Not while
+        a refusal it reported is unread: the receiver needs the refused workload."""
+        through = self.ring.control(DONE_WORD)
+        if self.ring.control(REFUSALS_WORD) != self._refusals_read:
+            return
+        with self._lock:
+            while self._inflight and self._inflight[0][0] <= through:
+                self._finish(self._inflight.popleft()[1])
 
     # ----------------------------------------------------------- receiver thread
     def _receive_loop(self) -> None:
         closed = False
         while True:
-            frame = read_frame(self._child.stdout)  # type: ignore[arg-type]
-            if frame is None:
+            got = read_frame(self._child.stdout)  # type: ignore[arg-type]
+            if got is None:
                 break
-            message, _ = frame
+            message, _ = got
             kind = message["kind"]
-            if kind == "released":
-                item = self._inflight.pop(message["seq"], None)
-                if item is not None:
-                    self._finish(item)
-            elif kind == "refused":
-                item = self._inflight.get(message["seq"])
+            if kind == "refused":
+                with self._lock:
+                    item = next((i for s, i in self._inflight if s == message["seq"]), None)
                 if item is not None and item.refused is not None:
                     item.refused(message["why"])
+                self._refusals_read += 1
             elif kind == "error" and not self.stats.error:
                 self.stats.error = message["error"]  # the child logged it
             elif kind == "closed":
@@ -261,26 +326,31 @@ class ProcessWriter:
             self._stop(f"the capture writer process exited (status {code}) before capture "
                        "ended", "see its error above; free disk space or fix the dataset "
                        "directory, then capture again")
-        for seq in list(self._inflight):
-            self._finish(self._inflight.pop(seq), dropped=True)
+            self._reap()
+            self._drop_inflight()
+
+    def _drop_inflight(self) -> None:
+        with self._lock:
+            while self._inflight:
+                self._finish(self._inflight.popleft()[1], dropped=True)
 
     def _merge(self, child: dict[str, Any]) -> None:
         stats = self.stats
-        stats.written += child["written"]
-        stats.bytes_written += child["bytes_written"]
-        stats.refused += child["refused"]
-        stats.dropped_after_error += child["dropped_after_error"]
-        stats.error = stats.error or child["error"]
-        for name, count in child["per_definition"].items():
-            stats.per_definition[name] = stats.per_definition.get(name, 0) + count
+        with self._lock:
+            stats.written += child["written"]
+            stats.bytes_written += child["bytes_written"]
+            stats.refused += child["refused"]
+            stats.dropped_after_error += child["dropped_after_error"]
+            stats.error = stats.error or child["error"]
+            for name, count in child["per_definition"].items():
+                stats.per_definition[name] = stats.per_definition.get(name, 0) + count
 
     def _finish(self, item: Item, dropped: bool = False) -> None:
-        """``item`` is done with (sender or receiver thread): its ring space back."""
+        """``item`` is done with: its ring space back (callers hold ``_lock``)."""
         item.release()
-        with self._count_lock:
-            if dropped:
-                self.stats.dropped_after_error += 1
-            self._done += item.nbytes
+        if dropped:
+            self.stats.dropped_after_error += 1
+        self._done += item.nbytes
 
     def _stop(self, error: str, fix: str) -> None:
         if self.stats.error:
@@ -288,6 +358,17 @@ class ProcessWriter:
         self.stats.error = error
         logger.error("enginetap capture: writing to %s failed, capture stops (the engine goes "
                      "on): %s. Fix: %s", self.root, error, fix)
+
+
+def _widen_pipe(fd: int) -> None:
+    """Let a step's messages fit in the pipe at once where Linux allows (fewer blocked
+    writes, each a GIL round trip); the default 64 KiB otherwise."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass
 
 
 def copies_for(values: dict[str, Any], writer: Any, ring_bytes: int) -> HostCopies:

@@ -13,14 +13,15 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from enginetap import __version__
 from enginetap.capture.probe import Extracted, ProbeCall
 from enginetap.dataset.schema import Receipt
 
-__all__ = ["ENV_PREFIXES", "Facts", "Provenance", "model_identity"]
+__all__ = ["ENV_PREFIXES", "Facts", "PendingReceipt", "Provenance", "model_identity"]
 
 ENV_PREFIXES = ("ENGINETAP", "VLLM_", "TRANSFORMERS_", "HF_", "OMP_", "CUDA_VISIBLE", "TORCH_")
 """Environment variables recorded: they change what the engine runs."""
@@ -49,6 +50,20 @@ class Provenance:
                             if k.startswith(ENV_PREFIXES)},
             "python": sys.version.split()[0],
         }
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`restore` needs to make the same receipts in another process."""
+        return {"engine": self.engine, "engine_version": self.engine_version,
+                "rank": self.rank, "world_size": self.world_size, "model": self.model,
+                "static": self.static}
+
+    @classmethod
+    def restore(cls, state: dict[str, Any]) -> Provenance:
+        made = cls.__new__(cls)
+        made.engine, made.engine_version = state["engine"], state["engine_version"]
+        made.rank, made.world_size = state["rank"], state["world_size"]
+        made.model, made.static = state["model"], state["static"]
+        return made
 
     def facts(self, call: ProbeCall, extracted: Extracted, variant: tuple) -> Facts:
         """What the receipt needs from the call, taken now (cheap: numbers and strings;
@@ -93,3 +108,36 @@ class Facts:
     rows: int
     step_rows: int
     notes: list[str]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Facts:
+        """The inverse of the JSON a dataclass becomes (tuples came back as lists)."""
+        layer = data["layer"]
+        return cls(**{**data, "layer": tuple(layer) if layer is not None else None,
+                      "variant": tuple(data["variant"])})
+
+
+class _Labels(Protocol):
+    def refresh(self) -> None: ...
+
+    def peek(self, key: str) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class PendingReceipt:
+    """A workload's receipt, made when called (by whoever writes the workload): the
+    thread writer calls it; the writer process sends ``facts``, the labels of its
+    requests and the provenance's :meth:`~Provenance.state` to its child instead, where
+    the same receipt is made."""
+
+    provenance: Provenance
+    facts: Facts
+    labels: _Labels
+
+    def __call__(self) -> Receipt:
+        self.labels.refresh()  # the labels file looked at once, not once per request
+        return self.provenance.receipt(self.facts, self.labels_now())
+
+    def labels_now(self, keys: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        """The labels of the workload's requests as last read (no look at the file)."""
+        return {k: self.labels.peek(k) for k in (self.facts.keys if keys is None else keys)}

@@ -25,7 +25,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from enginetap.capture.procwriter import ProcessWriter, copies_for
 from enginetap.capture.labels import RequestLabels
 from enginetap.capture.options import CaptureOptions
 from enginetap.capture.probe import Probe, ProbeCall
-from enginetap.capture.provenance import Provenance, model_identity
+from enginetap.capture.provenance import PendingReceipt, Provenance, model_identity
 from enginetap.capture.selection import Selector
 from enginetap.capture.writer import Item, Writer
 from enginetap.core import context
@@ -288,19 +287,13 @@ class CaptureRuntime:
                                      in enumerate(extracted.checks)}, self.writer, ring)
             item = Item(definition, copies_for(extracted.inputs, self.writer, ring),
                         copies_for(extracted.outputs, self.writer, ring),
-                        lambda: self.provenance.receipt(facts, self._labels_of(facts.keys)),
+                        PendingReceipt(self.provenance, facts, self.labels),
                         lambda why: self._refused(probe, why), checks,
                         tuple(what for _, what in extracted.checks))
             self.writer.submit(item)
         except Exception as exc:  # noqa: BLE001 - our failure: disable the probe, serve on
             self.selector.release(definition.name, variant)
             self._fail(probe, "adapting the call to its definition", exc)
-
-    def _labels_of(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """The labels of ``keys`` for a receipt (writer thread): the file looked at once,
-        not once per request."""
-        self.labels.refresh()
-        return {k: self.labels.peek(k) for k in keys}
 
     def _refused(self, probe: Probe, why: str) -> None:
         """The dataset refused a workload of ``probe`` (writer thread): disable it."""

@@ -73,6 +73,11 @@ class Item:
     def nbytes(self) -> int:
         return self.inputs.nbytes + self.outputs.nbytes
 
+    def landed(self) -> bool:
+        """Whether every copy of the workload is done (never waits)."""
+        return self.inputs.landed() and self.outputs.landed() and (
+            self.checks is None or self.checks.landed())
+
     def failed_check(self) -> str | None:
         """What the first failed device-side check means; None when all hold."""
         if self.checks is None:
@@ -170,9 +175,10 @@ class Writer:
                     self._busy(True)
                     self._commit(items)
                     idle = _POLL_S
+                elif self._pending:  # copies still in flight
+                    time.sleep(_POLL_S)
                 elif self._closed:
-                    if not self._pending:  # closed, and nothing arrived since the last look
-                        return
+                    return  # closed, and nothing arrived since the last look
                 else:
                     self._busy(False)
                     time.sleep(idle)
@@ -194,12 +200,12 @@ class Writer:
             self._restore_switch = None
 
     def _take(self) -> list[Item]:
+        """Up to ``batch`` workloads, in order, whose copies are done: waiting for a copy
+        would give up the GIL and queue behind the engine thread to get it back."""
         items: list[Item] = []
-        while len(items) < self.batch:
-            try:
-                items.append(self._pending.popleft())
-            except IndexError:
-                break
+        pending = self._pending
+        while len(items) < self.batch and pending and pending[0].landed():
+            items.append(pending.popleft())
         return items
 
     def _commit(self, items: list[Item]) -> None:
