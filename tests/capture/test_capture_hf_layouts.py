@@ -54,6 +54,13 @@ def test_one_gather_pages_a_dense_cache_as_the_per_request_copies_do():
     expected = fill_pages([view[r, :, c].transpose(0, 1) for r, c in zip(rows, columns)],
                           page_size)
     assert torch.equal(got, expected)
+    # every request's columns one run (the usual case, paged without a flat column list)
+    runs = [list(range(17, 37)), [36], list(range(37))]
+    run_pages = pack_pages([len(c) for c in runs], page_size)
+    got = gather_pages(cache, page_slots(run_pages, runs, [0, 2, 3], width, page_size,
+                                         cache.device), page_size)
+    assert torch.equal(got, fill_pages([cache[r, :, c].transpose(0, 1)
+                                        for r, c in zip([0, 2, 3], runs)], page_size))
     # every slot used (no last page left partly empty): nothing to zero
     full = [list(range(16)), list(range(5, 37))]
     full_pages = pack_pages([16, 32], page_size)

@@ -158,9 +158,10 @@ class ProcessWriter:
         self._closed = False
         self._lock = threading.Lock()
         """Guards ``_inflight`` and the counts: the sender, the receiver and close()."""
-        # no device and no arming in the writer: it only writes files
+        # no device, no arming and no compute thread pool in the writer: it only writes
+        # files, and must not compete for cores with the engine's own thread pool
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINETAP_")}
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:
             self._child = subprocess.Popen(
                 [sys.executable, "-m", "enginetap.capture.child", str(self.ring.fd),

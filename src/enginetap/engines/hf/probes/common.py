@@ -9,7 +9,9 @@ request is one batch row ``b`` with its real columns in ascending order.
 
 from __future__ import annotations
 
+import itertools
 import math
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,10 +156,14 @@ def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], width: i
     offset = torch.arange(int(slots.sum())) - (torch.cumsum(slots, 0) - slots)[request]
     length = lengths[request]
     valid = offset < length
-    flat_columns = torch.tensor([c for cols in columns for c in cols] or [0])
-    token = (torch.cumsum(lengths, 0) - lengths)[request] + torch.minimum(
-        offset, (length - 1).clamp(min=0))
-    column = flat_columns[token.clamp(max=flat_columns.numel() - 1)]
+    within = torch.minimum(offset, (length - 1).clamp(min=0))
+    if all(c and c[-1] - c[0] + 1 == len(c) for c in columns):  # one run each (usual)
+        column = torch.tensor([c[0] for c in columns])[request] + within
+    else:  # an int64 array: torch.tensor of a 16k-int list alone took 3 ms of a step
+        flat = array("q", itertools.chain.from_iterable(columns)) or array("q", [0])
+        flat_columns = torch.frombuffer(flat, dtype=torch.int64)
+        token = (torch.cumsum(lengths, 0) - lengths)[request] + within
+        column = flat_columns[token.clamp(max=flat_columns.numel() - 1)]
     unused = None if bool(valid.all()) else (~valid).to(device, non_blocking=True)
     return (torch.tensor(rows)[request].to(device, non_blocking=True),
             column.to(device, non_blocking=True), unused)
