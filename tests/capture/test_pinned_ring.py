@@ -138,3 +138,38 @@ def test_a_shared_ring_that_cuda_cannot_pin_is_used_unpinned(monkeypatch, caplog
     assert region is not None
     region.take(0, torch.Size([4]), torch.int32).fill_(7)
     assert ring.buffer[:16].view(torch.int32).tolist() == [7, 7, 7, 7]
+
+
+def test_the_process_writer_keeps_a_refused_workload_until_its_refusal_is_read(tmp_path) -> None:
+    """The child says which workloads it is done with through a control word, and reports
+    refusals through its output: a workload it refused must stay with the engine's process
+    (its probe is disabled through it) until the receiver read the refusal, however the
+    two race."""
+    import time
+
+    from enginetap.capture.pinned import set_control
+    from enginetap.capture.procwriter import DONE_WORD, REFUSALS_WORD, ProcessWriter
+
+    writer = ProcessWriter(tmp_path / "ds", budget_bytes=1 << 20, pin=False)
+    released: list[int] = []
+
+    class Workload:
+        nbytes = 10
+
+        def release(self) -> None:
+            released.append(1)
+
+    ring = writer.ring
+    try:
+        writer._inflight.append((0, Workload()))  # type: ignore[arg-type]
+        # the child: one refusal reported (not read yet), then workload 0 done
+        set_control(ring._map, ring.capacity, 0, REFUSALS_WORD)  # type: ignore[arg-type]
+        set_control(ring._map, ring.capacity, 0, DONE_WORD)  # type: ignore[arg-type]
+        time.sleep(0.1)  # the sender thread looks at the control words meanwhile
+        writer._reap()
+        assert len(writer._inflight) == 1 and not released
+        writer._refusals_read += 1  # what the receiver does once it read the refusal
+        writer._reap()
+        assert not writer._inflight and released == [1]
+    finally:
+        writer.close()

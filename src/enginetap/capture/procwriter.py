@@ -14,6 +14,10 @@ host memory (a memfd, pinned for the device where CUDA allows it) that the child
 and a message names their offsets. A tensor that found no room in the ring (or a scalar)
 travels in the message. Messages are frames of a JSON header and a binary payload.
 
+Measured, it is slower than the thread writer on the H200 (a selected decode step 67–83
+ms against 27–44 ms; the engine's own CPU work runs slower while the child runs, for a
+reason not found) and on a 2-core CPU: opt-in, not the default (BENCHMARKS.md).
+
 The child is ``python -m enginetap.capture.child``: it never initializes CUDA (its
 environment hides the devices), ignores SIGINT and SIGTERM (the engine's process decides
 when capture ends) and, when the engine's process goes away, writes what it received
