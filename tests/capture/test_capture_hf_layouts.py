@@ -39,7 +39,7 @@ def test_one_gather_pages_a_dense_cache_as_the_per_request_copies_do():
     columns = [list(range(17, 37)), [36], [3, 4, 9, 10, 11, 36], list(range(37))]
     rows = [0, 2, 1, 3]
     pages = pack_pages([len(c) for c in columns], page_size)
-    got = gather_pages(cache, page_slots(pages, columns, rows, width, page_size,
+    got = gather_pages(cache, page_slots(pages, columns, rows, page_size,
                                          cache.device), page_size)
     expected = fill_pages([cache[r, :, c].transpose(0, 1) for r, c in zip(rows, columns)],
                           page_size)
@@ -49,7 +49,7 @@ def test_one_gather_pages_a_dense_cache_as_the_per_request_copies_do():
     # decode adapter passes it: the same pages
     grouped = torch.randn(batch, heads, 2, width, dim, generator=gen)
     view = grouped[:, :, 0]
-    got = gather_pages(view, page_slots(pages, columns, rows, width, page_size,
+    got = gather_pages(view, page_slots(pages, columns, rows, page_size,
                                         view.device), page_size)
     expected = fill_pages([view[r, :, c].transpose(0, 1) for r, c in zip(rows, columns)],
                           page_size)
@@ -57,14 +57,14 @@ def test_one_gather_pages_a_dense_cache_as_the_per_request_copies_do():
     # every request's columns one run (the usual case, paged without a flat column list)
     runs = [list(range(17, 37)), [36], list(range(37))]
     run_pages = pack_pages([len(c) for c in runs], page_size)
-    got = gather_pages(cache, page_slots(run_pages, runs, [0, 2, 3], width, page_size,
+    got = gather_pages(cache, page_slots(run_pages, runs, [0, 2, 3], page_size,
                                          cache.device), page_size)
     assert torch.equal(got, fill_pages([cache[r, :, c].transpose(0, 1)
                                         for r, c in zip([0, 2, 3], runs)], page_size))
     # every slot used (no last page left partly empty): nothing to zero
     full = [list(range(16)), list(range(5, 37))]
     full_pages = pack_pages([16, 32], page_size)
-    slots = page_slots(full_pages, full, [1, 0], width, page_size, cache.device)
+    slots = page_slots(full_pages, full, [1, 0], page_size, cache.device)
     assert slots[2] is None
     assert torch.equal(gather_pages(cache, slots, page_size), fill_pages(
         [cache[r, :, c].transpose(0, 1) for r, c in zip([1, 0], full)], page_size))

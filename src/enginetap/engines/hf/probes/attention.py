@@ -214,7 +214,7 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
     k = _kv_heads(k, consts["num_kv_heads"], notes, "key", checks)
     v = _kv_heads(v, consts["num_kv_heads"], notes, "value", checks)
     page_size = consts["page_size"]
-    paged = _paged(call, live, page_size, k.shape[2], k.device)
+    paged = _paged(call, live, page_size, k.device)
     notes += paged.notes
     inputs = {"q": q[:, :, 0].index_select(0, paged.rows),
               "k_cache": gather_pages(k, paged.slots, page_size),
@@ -230,13 +230,12 @@ class _Paged:
     """A decode step's page tables, the slots every layer's cache is gathered at, and the
     notes that say so: the same for every layer of the step (built once)."""
 
-    def __init__(self, live: _Live, page_size: int, columns: int,
-                 device: torch.device) -> None:
+    def __init__(self, live: _Live, page_size: int, device: torch.device) -> None:
         rows = [r.batch_row for r in live.requests]
         # on the device once per step (indexing with a Python list waits for the device)
         self.rows = torch.tensor(rows).to(device, non_blocking=True)
         self.pages = pack_pages([len(c) for c in live.columns], page_size)
-        self.slots = page_slots(self.pages, live.columns, rows, columns, page_size, device)
+        self.slots = page_slots(self.pages, live.columns, rows, page_size, device)
         indptr = self.pages.indptr.tolist()
         self.notes = [f"paged cache: the engine's dense padded cache compacted to each "
                       f"request's live columns, packed into fresh {page_size}-token pages "
@@ -247,10 +246,9 @@ class _Paged:
         self.notes.append("lse: the engine's kernel does not return it; not stored")
 
 
-def _paged(call: ProbeCall, live: _Live, page_size: int, columns: int,
-           device: torch.device) -> _Paged:
-    return call.step.memo(("hf.attention.paged", id(live), page_size, columns, str(device)),
-                          lambda: _Paged(live, page_size, columns, device))
+def _paged(call: ProbeCall, live: _Live, page_size: int, device: torch.device) -> _Paged:
+    return call.step.memo(("hf.attention.paged", id(live), page_size, str(device)),
+                          lambda: _Paged(live, page_size, device))
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:

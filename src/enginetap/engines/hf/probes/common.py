@@ -143,8 +143,8 @@ Slots = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 (None when every slot is used)."""
 
 
-def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], width: int,
-               page_size: int, device: torch.device) -> Slots:
+def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], page_size: int,
+               device: torch.device) -> Slots:
     """Where every slot of ``pages`` (:func:`pack_pages` of the requests' lengths) comes
     from, for requests whose live tokens are ``columns[i]`` of batch row ``rows[i]`` of a
     ``[batch, heads, width, ...]`` tensor: ``(batch row, column, unused)`` on ``device``,
