@@ -1,9 +1,10 @@
-"""The capture writer process: ``python -m enginetap.capture.child FD CAPACITY ROOT BATCH``.
+"""The capture writer process: ``python -m enginetap.capture.child FD CAPACITY ROOT BATCH PINNED``.
 
 Started by :class:`~enginetap.capture.procwriter.ProcessWriter`; reads workload messages
 on its standard input, maps the engine's shared ring from descriptor ``FD`` and writes
 every workload with the thread writer's own code (:class:`~enginetap.capture.writer.Writer`)
-into the dataset at ``ROOT``, making each receipt from the facts, labels and provenance
+into the dataset at ``ROOT`` (``PINNED`` 1: the engine pinned the ring, so its pages exist
+and are mapped at once), making each receipt from the facts, labels and provenance
 the message carries. Which workloads it is done with (written, refused or dropped) it
 tells through the ring's control word: the highest ``seq`` up to which all are done. On
 standard output it reports each workload the dataset refused (``refused``), the first
@@ -19,9 +20,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Callable
 from typing import IO, Any
 
 import torch
@@ -109,14 +110,16 @@ def _receipt(message: dict[str, Any], provenance: Provenance | None) -> Callable
 
 def main(argv: list[str]) -> int:
     fd, capacity, root, batch = int(argv[0]), int(argv[1]), Path(argv[2]), int(argv[3])
+    pinned = len(argv) > 4 and argv[4] == "1"
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # the engine's process decides
     logging.basicConfig(format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
-    # mapped in full now (MAP_POPULATE): a page fault per 4 KiB page read would cost the
-    # writer more than the bytes (a selected H200 decode step copies 567 MB)
-    mapping = mmap.mmap(fd, capacity + CONTROL_BYTES,
-                        flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    # a pinned ring's pages exist: map them all now (MAP_POPULATE) rather than fault 4 KiB
+    # at a time (a selected H200 decode step copies 567 MB); an unpinned ring's pages are
+    # made as the engine first writes them, and populating would make them all at once
+    populate = getattr(mmap, "MAP_POPULATE", 0) if pinned else 0
+    mapping = mmap.mmap(fd, capacity + CONTROL_BYTES, flags=mmap.MAP_SHARED | populate)
     ring = torch.frombuffer(mapping, dtype=torch.uint8, count=capacity)
     progress = _Progress(mapping, capacity)
     # the reports get standard output to themselves: anything printed goes to stderr

@@ -62,7 +62,7 @@ class PinnedRing:
     """Host memory another process can map (``fd``, a memfd): the capture writer process
     reads workloads where the engine copied them. Pinned, where ``pin``, by registering
     it with CUDA. The memory holds :data:`CONTROL_BYTES` more, past ``capacity``: the
-    control word (:meth:`control`)."""
+    control words (:meth:`control`)."""
     buffer: torch.Tensor = field(init=False)
     fd: int = -1
     _live: deque[Region] = field(default_factory=deque)

@@ -169,7 +169,7 @@ class ProcessWriter:
         try:
             self._child = subprocess.Popen(
                 [sys.executable, "-m", "enginetap.capture.child", str(self.ring.fd),
-                 str(budget_bytes), str(root), str(batch)],
+                 str(budget_bytes), str(root), str(batch), str(int(self.ring.pin))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.ring.fd,),
                 env=env)
         finally:
