@@ -17,13 +17,16 @@ and disarmed around it):
 
 Per variant: the median decode-step time (from step begin to step end, sampling included)
 and its ratio to disarmed; for ``selected`` also the bytes copied per step and, on a GPU,
-that copy's rate against the measured pinned device→host bandwidth. Then the writer alone:
+that copy's rate against the measured pinned device→host bandwidth (against the first
+disarmed variant, and against both disarmed variants pooled); per variant also the engine
+thread's CPU time per decode step and how long the step's end waited for the device
+(near zero: the host, not the device, set the step's pace). Then the writer alone:
 workloads of a given size committed per second, against a plain safetensors write.
 
 The host work an unselected step adds is also accounted directly, since step medians
-cannot resolve 1 %: the step listeners' time (measured in the run, per variant) and the
-calls through shut gates (counted with every gate open, priced side by side on a small
-module). Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a
+cannot resolve 1 %: capture's step listeners' time on decode steps (measured in the run,
+listener by listener) and the calls through shut gates (counted with every gate open,
+priced side by side on a small module); the core's step recorder is shown apart. Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a
 selected run), ``--held-writer`` (a selected variant whose writer starts only after the
 run), ``--python-switch`` (a selected variant whose writer leaves the switch interval at
 Python's 5 ms), ``--switch-variants`` (other intervals), ``--process-writer`` (a selected
@@ -80,21 +83,32 @@ def _requests(args: argparse.Namespace, vocab: int) -> list[Request]:
             for i in range(args.batch)]
 
 
+HOST: dict[str, list[float]] = {"cpu": [], "wait": []}
+"""Per decode step of the last :func:`_decode_steps`: the engine thread's CPU time, and
+how long the step's end waited for the device (near 0: the host set the pace)."""
+
+
 def _decode_steps(engine: HFEngine, requests: list[Request]
                   ) -> tuple[list[float], list[int], list[list[int]]]:
     times, copied, marks = [], [], {}
+    HOST["cpu"], HOST["wait"] = [], []
 
     def begin(step) -> None:
         if step.mode == "decode":
-            marks[step.step] = (time.perf_counter(), capture_copy.STATS.bytes)
+            marks[step.step] = (time.perf_counter(), capture_copy.STATS.bytes,
+                                time.thread_time())
 
     def end(step) -> None:
         if step.step in marks:
+            synced = time.perf_counter()
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
-            t0, b0 = marks.pop(step.step)
-            times.append(time.perf_counter() - t0)
+            now = time.perf_counter()
+            t0, b0, c0 = marks.pop(step.step)
+            times.append(now - t0)
             copied.append(capture_copy.STATS.bytes - b0)
+            HOST["cpu"].append(time.thread_time() - c0)
+            HOST["wait"].append(now - synced)
 
     subscribe(on_begin=begin, on_end=end)
     # the step's clock starts before any other listener's work and stops after it
@@ -262,6 +276,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         results[variant] = []
     copied: dict[str, list[int]] = {v: [] for v in results if v.startswith("selected")}
     each_s: dict[str, dict[str, list[float]]] = {}
+    host_cpu: dict[str, list[float]] = {}
+    device_wait: dict[str, list[float]] = {}
     tokens: dict[str, list] = {v: [] for v in results}
     batches: dict[str, list] = {v: [] for v in results}
     with tempfile.TemporaryDirectory() as tmp:
@@ -286,6 +302,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 try:
                     EACH.clear()
                     times, sizes, batch_out = _decode_steps(engine, requests)
+                    host_cpu.setdefault(variant, []).extend(HOST["cpu"][1:])
+                    device_wait.setdefault(variant, []).extend(HOST["wait"][1:])
                     for name, spent in EACH.items():
                         each_s.setdefault(variant, {}).setdefault(name, []).extend(spent[1:])
                     done = [c.output_ids for c in engine.generate(requests[:1])]
@@ -319,6 +337,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             table[variant]["copy_gb_per_s"] = statistics.median(sizes) / max(extra, 1e-9) / 1e9
             table[variant]["pooled_copy_gb_per_s"] = statistics.median(sizes) / max(
                 statistics.median(results[variant]) - pooled, 1e-9) / 1e9
+    for variant, spent in host_cpu.items():
+        table[variant]["engine_cpu_ms"] = statistics.median(spent) * 1e3
+        table[variant]["device_wait_ms"] = statistics.median(device_wait[variant]) * 1e3
     for variant, by_name in each_s.items():
         table[variant]["each_us"] = {name: statistics.median(spent) * 1e6
                                      for name, spent in by_name.items()}
@@ -524,6 +545,9 @@ def main() -> None:
               + (f"  copied {row['bytes_per_step'] / 1e6:.2f} MB/step "
                  f"({row['copy_gb_per_s']:.2f} GB/s of added step time)"
                  if "bytes_per_step" in row else ""))
+    print("engine thread per decode step (medians): " + "; ".join(
+        f"{v} {row['engine_cpu_ms']:.2f} ms CPU, {row['device_wait_ms']:.2f} ms waiting for "
+        f"the device at step end" for v, row in table.items() if "engine_cpu_ms" in row))
     bandwidth = pinned_d2h_gb_per_s(args.device)
     if bandwidth == bandwidth:
         print(f"pinned device->host bandwidth: {bandwidth:.1f} GB/s; selected-step copy rate "
