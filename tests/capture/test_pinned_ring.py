@@ -173,3 +173,38 @@ def test_the_process_writer_keeps_a_refused_workload_until_its_refusal_is_read(t
         assert not writer._inflight and released == [1]
     finally:
         writer.close()
+
+
+class _FailedDevice:
+    """A copy event from a device that failed: asking about it raises, as CUDA does."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def synchronize(self) -> None:
+        self.query()
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_device_error_in_a_copy_stops_capture_and_says_so(tmp_path, writer) -> None:
+    """A copy whose device failed never lands: the writer does not wait for it forever or
+    die with a traceback; capture stops with the device's error, the workload dropped."""
+    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.procwriter import ProcessWriter
+    from enginetap.capture.writer import Item, Writer
+    from enginetap.dataset import Dataset
+    from enginetap.definitions import get_template
+
+    definition = get_template("rmsnorm").instantiate(hidden_size=8)
+    x = torch.ones(2, 8)
+    inputs = HostCopies({"hidden_states": x, "weight": torch.ones(8), "eps": 1e-6},
+                        event=_FailedDevice(), nbytes=72)
+    outputs = HostCopies({"output": x}, nbytes=64)
+    item = Item(definition, inputs, outputs, lambda: None)  # type: ignore[arg-type,return-value]
+    made = (Writer(Dataset(tmp_path / "ds", create=True), budget_bytes=1 << 20)
+            if writer == "thread" else
+            ProcessWriter(tmp_path / "ds", budget_bytes=1 << 20, pin=False))
+    assert made.submit(item)
+    stats = made.close(timeout=60)
+    assert "illegal memory access" in stats.error
+    assert stats.written == 0 and made.held == 0

@@ -48,6 +48,8 @@ class HostCopies:
     event: Any = None
     nbytes: int = 0
     region: Region | None = None
+    broken: bool = False
+    """The device reported an error instead of the copies' completion."""
 
     @classmethod
     def of(cls, values: dict[str, Any], ring_bytes: int = 0,
@@ -79,8 +81,13 @@ class HostCopies:
         return cls(copied, event, nbytes, region)
 
     def landed(self) -> bool:
-        """Whether the copies are done (never waits: a CUDA event query)."""
-        return self.event is None or bool(self.event.query())
+        """Whether the copies are done (never waits: a CUDA event query). A device error
+        counts as done: :meth:`wait` then raises it where the writer handles errors."""
+        try:
+            return self.event is None or bool(self.event.query())
+        except RuntimeError:
+            self.broken = True
+            return True
 
     def wait(self) -> dict[str, Any]:
         if self.event is not None:

@@ -246,8 +246,11 @@ class ProcessWriter:
                 continue
             try:
                 message, payload = self._message(item, refreshed)
-            except Exception as exc:  # noqa: BLE001 - our bug: stop capture, not the engine
-                self._stop(f"{type(exc).__name__}: {exc}", "this is a bug in enginetap's "
+            except Exception as exc:  # noqa: BLE001 - stop capture, not the engine
+                device = any(c is not None and c.broken
+                             for c in (item.inputs, item.outputs, item.checks))
+                self._stop(f"{type(exc).__name__}: {exc}", "the device failed; see the "
+                           "engine's own error" if device else "this is a bug in enginetap's "
                            "capture writer; report it with this message")
                 with self._lock:
                     self._finish(item, dropped=True)
@@ -259,6 +262,9 @@ class ProcessWriter:
             self._write(b"".join(frames))
 
     def _message(self, item: Item, refreshed: set[int]) -> tuple[dict[str, Any], bytearray]:
+        for copies in (item.inputs, item.outputs, item.checks):
+            if copies is not None and copies.broken:
+                copies.wait()  # raises the device's error: capture stops, said once
         payload = bytearray()
         message: dict[str, Any] = {
             "kind": "workload", "seq": self._seq, "definition": item.definition.name,
