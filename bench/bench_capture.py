@@ -26,8 +26,9 @@ workloads of a given size committed per second, against a plain safetensors writ
 The host work an unselected step adds is also accounted directly, since step medians
 cannot resolve 1 %: capture's step listeners' time on decode steps (measured in the run,
 listener by listener) and the calls through shut gates (counted with every gate open,
-priced side by side on a small module); the core's step recorder is shown apart. Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a
-selected run), ``--held-writer`` (a selected variant whose writer starts only after the
+priced side by side on a small module); the core's step recorder is shown apart.
+Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a selected
+run), ``--held-writer`` (a selected variant whose writer starts only after the
 run), ``--python-switch`` (a selected variant whose writer leaves the switch interval at
 Python's 5 ms), ``--switch-variants`` (other intervals), ``--process-writer`` (a selected
 variant whose writer is a child process), ``--profile`` (cProfile of a selected run),
@@ -332,11 +333,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     table["disarmed"]["pooled_ms"] = pooled * 1e3
     for variant, sizes in copied.items():
         if sizes:
-            extra = statistics.median(results[variant]) - base
-            table[variant]["bytes_per_step"] = statistics.median(sizes)
-            table[variant]["copy_gb_per_s"] = statistics.median(sizes) / max(extra, 1e-9) / 1e9
-            table[variant]["pooled_copy_gb_per_s"] = statistics.median(sizes) / max(
-                statistics.median(results[variant]) - pooled, 1e-9) / 1e9
+            size, step = statistics.median(sizes), statistics.median(results[variant])
+            table[variant]["bytes_per_step"] = size
+            for key, disarmed in (("copy_gb_per_s", base), ("pooled_copy_gb_per_s", pooled)):
+                table[variant][key] = size / max(step - disarmed, 1e-9) / 1e9
     for variant, spent in host_cpu.items():
         table[variant]["engine_cpu_ms"] = statistics.median(spent) * 1e3
         table[variant]["device_wait_ms"] = statistics.median(device_wait[variant]) * 1e3
@@ -559,15 +559,15 @@ def main() -> None:
                   for v in table if "pooled_copy_gb_per_s" in table[v]))
     # decode steps only (a prefill's step record is far longer), listener by listener
     each = table["unselected"].get("each_us", {})
-    ours = {n: us for n, us in each.items() if n.startswith("CaptureRuntime.")}
+    listeners = {n: us for n, us in each.items() if n.startswith("CaptureRuntime.")}
     recorder = sum(us for n, us in each.items() if n.startswith("StepRecorder."))
     unselected = table["unselected"]
     gated = unselected["gated_calls"] * unselected["gated_call_us"]
-    capture_us = sum(ours.values()) + gated
+    capture_us = sum(listeners.values()) + gated
     for label, step_ms in (("disarmed", table["disarmed"]["median_ms"]),
                            ("both disarmed variants pooled", table["disarmed"]["pooled_ms"])):
         print(f"unselected decode step, capture's host work: listeners "
-              + " + ".join(f"{n} {us:.1f}" for n, us in ours.items())
+              + " + ".join(f"{n} {us:.1f}" for n, us in listeners.items())
               + f" us; {unselected['gated_calls']:.0f} calls through shut gates x "
               f"{unselected['gated_call_us']:.3f} us = {gated:.1f} us; in all {capture_us:.1f}"
               f" us = {capture_us / 1e3 / step_ms:.2%} of the {label} decode step "

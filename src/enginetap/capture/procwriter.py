@@ -247,8 +247,7 @@ class ProcessWriter:
             try:
                 message, payload = self._message(item, refreshed)
             except Exception as exc:  # noqa: BLE001 - stop capture, not the engine
-                device = any(c is not None and c.broken
-                             for c in (item.inputs, item.outputs, item.checks))
+                device = any(copies.broken for copies in item.copies)
                 self._stop(f"{type(exc).__name__}: {exc}", "the device failed; see the "
                            "engine's own error" if device else "this is a bug in enginetap's "
                            "capture writer; report it with this message")
@@ -262,15 +261,14 @@ class ProcessWriter:
             self._write(b"".join(frames))
 
     def _message(self, item: Item, refreshed: set[int]) -> tuple[dict[str, Any], bytearray]:
-        for copies in (item.inputs, item.outputs, item.checks):
-            if copies is not None and copies.broken:
+        for copies in item.copies:
+            if copies.broken:
                 copies.wait()  # raises the device's error: capture stops, said once
         payload = bytearray()
         message: dict[str, Any] = {
             "kind": "workload", "seq": self._seq, "definition": item.definition.name,
             "outputs": describe_values(item.outputs.values, self.ring, payload),
             "inputs": describe_values(item.inputs.values, self.ring, payload)}
-        self._seq += 1
         if item.checks is not None:
             message["checks"] = describe_values(item.checks.values, self.ring, payload)
             message["check_notes"] = list(item.check_notes)
@@ -291,6 +289,7 @@ class ProcessWriter:
         if item.definition.name not in self._sent_definitions:
             message["definition_json"] = item.definition.model_dump_json()
             self._sent_definitions.add(item.definition.name)
+        self._seq += 1  # only for a message made whole: the child's progress has no gaps
         return message, payload
 
     def _write(self, data: bytes) -> None:

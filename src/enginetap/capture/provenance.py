@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -138,6 +137,6 @@ class PendingReceipt:
         self.labels.refresh()  # the labels file looked at once, not once per request
         return self.provenance.receipt(self.facts, self.labels_now())
 
-    def labels_now(self, keys: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    def labels_now(self) -> dict[str, dict[str, Any]]:
         """The labels of the workload's requests as last read (no look at the file)."""
-        return {k: self.labels.peek(k) for k in (self.facts.keys if keys is None else keys)}
+        return {k: self.labels.peek(k) for k in self.facts.keys}

@@ -73,10 +73,16 @@ class Item:
     def nbytes(self) -> int:
         return self.inputs.nbytes + self.outputs.nbytes
 
+    @property
+    def copies(self) -> tuple[HostCopies, ...]:
+        """Every host copy the workload holds (inputs, outputs, device-side checks)."""
+        if self.checks is None:
+            return (self.inputs, self.outputs)
+        return (self.inputs, self.outputs, self.checks)
+
     def landed(self) -> bool:
         """Whether every copy of the workload is done (never waits)."""
-        return self.inputs.landed() and self.outputs.landed() and (
-            self.checks is None or self.checks.landed())
+        return all(copies.landed() for copies in self.copies)
 
     def failed_check(self) -> str | None:
         """What the first failed device-side check means; None when all hold."""
@@ -90,10 +96,8 @@ class Item:
 
     def release(self) -> None:
         """Give back pinned ring space (written, dropped or refused)."""
-        self.inputs.release()
-        self.outputs.release()
-        if self.checks is not None:
-            self.checks.release()
+        for copies in self.copies:
+            copies.release()
 
 
 @dataclass
