@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from enginetap.engines.hf.probes.common import (
+    BatchRequest,
     column_ranges,
     end_aligned,
     fill_pages,
     gather_pages,
+    live_columns,
     pack_pages,
     page_slots,
     visible_columns,
@@ -96,3 +98,38 @@ def test_additive_float_masks_and_no_mask_read_as_visibility():
                                                                    [True, True, True]]
     assert visible_columns(None, True, 0, 2, 2).tolist() == [[True, False], [True, True]]
     assert visible_columns(None, False, 0, 1, 3).all()
+
+
+def _per_request(mask, causal, requests, q_len, kv_len):
+    found = [end_aligned(visible_columns(mask, causal, r.batch_row, q_len, kv_len), r.columns)
+             for r in requests]
+    return [columns for columns, _ in found], all(ok for _, ok in found)
+
+
+def test_the_whole_batch_live_columns_agree_with_the_per_request_reading():
+    # live_columns (one pass over the batch) against visible_columns + end_aligned per
+    # request, on the masks the engine makes and on ones the definitions must refuse
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    pad = torch.tensor([[False] * 3 + [True] * 6,  # left padding
+                        [True] * 9,  # none
+                        [False, True, True, False, False, True, True, True, True]])  # gap
+    prefill = (causal & pad[:, None, :]).reshape(3, 1, 9, 9)
+    window = prefill & ~torch.ones(9, 9, dtype=torch.bool).tril(-4)
+    decode = pad.reshape(3, 1, 1, 9)
+    additive = torch.zeros(3, 1, 1, 9).masked_fill(~decode, torch.finfo(torch.float32).min)
+    ask = [BatchRequest(0, [6, 7, 8], [0, 1, 2], "a"), BatchRequest(1, [4, 5, 6, 7, 8],
+                                                                    [3, 4, 5, 6, 7], "b"),
+           BatchRequest(2, [7, 8], [8, 9], "c")]
+    one = [BatchRequest(b, [0], [b], k) for b, k in enumerate("abc")]
+    cases = [(prefill, False, ask, 9, 9, True), (window, False, ask, 9, 9, False),
+             (decode, False, one, 1, 9, True), (additive, False, one, 1, 9, True),
+             (None, True, [BatchRequest(0, [3, 4], [0, 1], "a")], 5, 5, True),
+             (None, False, [BatchRequest(0, [0], [0], "a")], 1, 4, True),
+             (prefill[:1], False, [BatchRequest(0, [8], [0], "a")], 9, 9, True),
+             (prefill, False, [BatchRequest(2, [0], [0], "c")], 9, 9, False)]
+    for mask, is_causal, requests, q_len, kv_len, ok in cases:
+        got = live_columns(mask, is_causal, requests, q_len, kv_len)
+        assert got == _per_request(mask, is_causal, requests, q_len, kv_len)
+        assert got[1] is ok
+    columns, _ = live_columns(decode, False, one, 1, 9)
+    assert columns == [[3, 4, 5, 6, 7, 8], list(range(9)), [1, 2, 5, 6, 7, 8]]

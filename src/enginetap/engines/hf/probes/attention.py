@@ -33,12 +33,11 @@ from enginetap.engines.hf.probes.common import (
     PAD_NOTE,
     batch_requests,
     column_ranges,
-    end_aligned,
     gather_pages,
     instantiate,
+    live_columns,
     pack_pages,
     page_slots,
-    visible_columns,
 )
 
 __all__ = ["ATTENTION_PROBES", "PAGE_SIZE"]
@@ -138,27 +137,19 @@ class _Live:
     of them (the definitions' causal rule)."""
 
     def __init__(self, call: ProbeCall, q_len: int, kv_len: int) -> None:
-        mask, causal = call.args["attn_mask"], bool(call.args["is_causal"])
-        if mask is not None and mask.device.type != "cpu":
-            mask = mask.cpu()  # one transfer per call, not one per request
         self.requests = batch_requests(call)
-        self.columns: list[list[int]] = []
-        self.spans: list[slice | list[int]] = []
+        self.columns, self.ok = live_columns(call.args["attn_mask"],
+                                             bool(call.args["is_causal"]), self.requests,
+                                             q_len, kv_len)
+        self.spans: list[slice | list[int]] = [_span(c) for c in self.columns]
         """Per request its live columns as a slice where they are one run (the usual
         case: a padded batch's live keys are contiguous), so gathering them is a view and
         not a Python list turned into an index tensor."""
-        self.ok = True
-        for request in self.requests:
-            seen = visible_columns(mask, causal, request.batch_row, q_len, kv_len)
-            live, ok = end_aligned(seen, request.columns)
-            self.columns.append(live)
-            self.spans.append(_span(live))
-            self.ok = self.ok and ok
 
 
 def _span(columns: list[int]) -> slice | list[int]:
     """``columns`` (increasing) as a slice when they are consecutive."""
-    if columns and columns == list(range(columns[0], columns[-1] + 1)):
+    if columns and columns[-1] - columns[0] + 1 == len(columns):
         return slice(columns[0], columns[-1] + 1)
     return columns
 
