@@ -302,7 +302,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                     model, arm=_config(out, policy, **extra) if policy else None)
                 try:
                     EACH.clear()
+                    misses = capture_copy.STATS.ring_misses
                     times, sizes, batch_out = _decode_steps(engine, requests)
+                    misses = capture_copy.STATS.ring_misses - misses
                     host_cpu.setdefault(variant, []).extend(HOST["cpu"][1:])
                     device_wait.setdefault(variant, []).extend(HOST["wait"][1:])
                     for name, spent in EACH.items():
@@ -321,7 +323,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                       f"{len(differ)}/{len(batch_out)} requests differ from the first disarmed "
                       f"run" + (f" (first at output position "
                                 f"{min(_first_diff(reference[i], batch_out[i]) for i in differ)})"
-                                if differ else ""), flush=True)
+                                if differ else "")
+                      + (f"; {misses} workloads copied outside the pinned ring (no room)" if misses
+                         else ""), flush=True)
                 results[variant] += times[1:]  # the first decode step warms caches
                 if variant in copied:
                     copied[variant] += sizes[1:]

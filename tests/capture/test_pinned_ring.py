@@ -121,6 +121,33 @@ def test_a_shared_ring_is_seen_by_another_mapping_and_messages_round_trip() -> N
     assert ring.held == 0
 
 
+def test_one_workloads_groups_share_one_region_given_back_with_the_first() -> None:
+    """Inputs, outputs and checks of one workload: one reservation holds all three groups,
+    laid end to end; the region rides on the first group's copies, so giving the
+    workload back (every group released) frees the ring once."""
+    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.pinned import shared_ring
+
+    ring = shared_ring(8 * ALIGN, pin=False)
+    gen = torch.Generator().manual_seed(1)
+    groups = [{"x": torch.randn(4, 8, generator=gen), "eps": 1e-6},
+              {"out": torch.randn(4, 8, generator=gen)},
+              {"0": torch.ones(1, dtype=torch.bool)}]
+    made = HostCopies.of_groups(groups, shared=ring)
+    assert [c.nbytes for c in made] == [128, 128, 1]
+    assert made[0].region is not None and made[1].region is None and made[2].region is None
+    assert ring.held == 3 * ALIGN  # one region, each group aligned within it
+    starts = [c.values[n].data_ptr() - ring.base for c, n in zip(made, ("x", "out", "0"))]
+    assert starts == [0, ALIGN, 2 * ALIGN]
+    for copies, values in zip(made, groups):
+        for name, value in values.items():
+            got = copies.wait()[name]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+    for copies in made:
+        copies.release()
+    assert ring.held == 0
+
+
 def test_a_shared_ring_that_cuda_cannot_pin_is_used_unpinned(monkeypatch, caplog) -> None:
     """Where registering the shared ring with CUDA fails, the ring still works (device
     copies into it then wait), and the log says why."""

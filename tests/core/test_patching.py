@@ -180,6 +180,40 @@ def test_bind_arguments_names_and_defaults():
     assert bound == {"q": 1, "k": 2, "cos": 3, "sin": 4, "unsqueeze_dim": 1}
 
 
+def test_bind_arguments_fast_path_says_what_signature_bind_says():
+    # the fast path (plain signatures) against inspect's own binding: same names, order,
+    # defaults, and a TypeError wherever bind raises one
+    import inspect
+
+    def plain(a, b, /, c, d=4, *, e, f=6):
+        return None
+
+    def spread(a, *rest, b=2, **extra):
+        return None
+
+    class Holder:
+        def method(self, x, y=2):
+            return None
+
+    calls = [(plain, (1, 2, 3), {"e": 5}), (plain, (1, 2), {"c": 3, "e": 5, "f": 7}),
+             (plain, (1, 2, 3, 4), {"e": 5}), (plain, (1,), {"b": 2, "c": 3, "e": 5}),
+             (plain, (1, 2, 3), {}), (plain, (1, 2, 3, 4, 5), {"e": 5}),
+             (plain, (1, 2, 3), {"c": 3, "e": 5}), (plain, (1, 2, 3), {"e": 5, "g": 0}),
+             (spread, (1, 2, 3), {"z": 0}), (spread, (), {}),
+             (Holder().method, (1,), {}), (Holder().method, (), {"y": 3, "x": 1}),
+             (Holder.method, (Holder(), 1), {})]
+    for function, args, kwargs in calls:
+        try:
+            bound = inspect.signature(function).bind(*args, **kwargs)
+        except TypeError:
+            with pytest.raises(TypeError):
+                bind_arguments(function, args, kwargs)
+            continue
+        bound.apply_defaults()
+        got = bind_arguments(function, args, kwargs)
+        assert got == dict(bound.arguments) and list(got) == list(bound.arguments)
+
+
 def test_errors_meant_for_the_caller_pass_through():
     from enginetap.core.patching import ReachesCaller
 

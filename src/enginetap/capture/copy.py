@@ -22,6 +22,9 @@ __all__ = ["STATS", "CopyStats", "HostCopies", "host_copy"]
 class CopyStats:
     tensors: int = 0
     bytes: int = 0
+    ring_misses: int = 0
+    """Workloads whose copies found no room in the ring (copied to fresh host memory, or
+    for a writer process sent through its pipe): the writer fell a ring behind."""
 
 
 STATS = CopyStats()
@@ -58,27 +61,42 @@ class HostCopies:
         pinned ring of ``ring_bytes`` when it has room (else fresh pinned memory). With
         ``shared`` (the ring a writer process maps) every tensor goes into one region of
         it, CPU tensors too, when it has room."""
-        device = next((v.device for v in values.values()
+        return cls.of_groups([values], ring_bytes, shared)[0]
+
+    @classmethod
+    def of_groups(cls, groups: list[dict[str, Any]], ring_bytes: int = 0,
+                  shared: PinnedRing | None = None) -> list[HostCopies]:
+        """:meth:`of` for several groups of one workload (inputs, outputs, checks) at once:
+        one ring region and one event for all of them (the region is held by the first
+        group's copies, so the workload gives it back once, with them)."""
+        device = next((v.device for values in groups for v in values.values()
                        if isinstance(v, torch.Tensor) and v.is_cuda), None)
         if shared is not None:
-            region = shared.reserve(sum(_aligned(v) for v in values.values()
-                                        if isinstance(v, torch.Tensor)))
+            region = shared.reserve(sum(_aligned(v) for values in groups
+                                        for v in values.values() if isinstance(v, torch.Tensor)))
         else:
-            region = _reserve(values, device, ring_bytes) if device is not None else None
-        copied, nbytes, offset = {}, 0, 0
-        for name, value in values.items():
-            if isinstance(value, torch.Tensor):
-                if region is not None and (value.is_cuda or shared is not None):
-                    value, offset = _into(region, offset, value)
-                else:
-                    value = host_copy(value)
-                nbytes += value.numel() * value.element_size()
-            copied[name] = value
-        event = None
+            region = _reserve(groups, device, ring_bytes) if device is not None else None
+        if region is None and (shared is not None or device is not None):
+            STATS.ring_misses += 1
+        made, offset = [], 0
+        for values in groups:
+            copied, nbytes = {}, 0
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    if region is not None and (value.is_cuda or shared is not None):
+                        value, offset = _into(region, offset, value)
+                    else:
+                        value = host_copy(value)
+                    nbytes += value.numel() * value.element_size()
+                copied[name] = value
+            made.append(cls(copied, nbytes=nbytes))
         if device is not None:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        return cls(copied, event, nbytes, region)
+            for copies in made:
+                copies.event = event
+        made[0].region = region
+        return made
 
     def landed(self) -> bool:
         """Whether the copies are done (never waits: a CUDA event query). A device error
@@ -105,11 +123,12 @@ def _aligned(tensor: torch.Tensor) -> int:
     return -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
 
 
-def _reserve(values: dict[str, Any], device: torch.device, ring_bytes: int) -> Region | None:
+def _reserve(groups: list[dict[str, Any]], device: torch.device,
+             ring_bytes: int) -> Region | None:
     ring = ring_for(device, ring_bytes)
     if ring is None:
         return None
-    return ring.reserve(sum(_aligned(v) for v in values.values()
+    return ring.reserve(sum(_aligned(v) for values in groups for v in values.values()
                             if isinstance(v, torch.Tensor) and v.is_cuda))
 
 

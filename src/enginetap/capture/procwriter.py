@@ -51,7 +51,7 @@ from enginetap.dataset.dtypes import name_of, torch_dtype
 
 logger = logging.getLogger("enginetap.capture")
 
-__all__ = ["ProcessWriter", "frame", "read_frame", "write_frame"]
+__all__ = ["ProcessWriter", "frame", "groups_for", "read_frame", "write_frame"]
 
 _HEAD = struct.Struct("<II")
 DONE_WORD, REFUSALS_WORD = 0, 1
@@ -381,9 +381,11 @@ def _widen_pipe(fd: int) -> None:
         pass
 
 
-def copies_for(values: dict[str, Any], writer: Any, ring_bytes: int) -> HostCopies:
-    """Host copies of ``values`` for ``writer``: into its shared ring for a process
-    writer, the process's pinned ring otherwise."""
+def groups_for(groups: list[dict[str, Any]], writer: Any,
+               ring_bytes: int) -> list[HostCopies]:
+    """Host copies of one workload's groups (inputs, outputs, checks) for ``writer``: into
+    its shared ring for a process writer, the process's pinned ring otherwise; one ring
+    region and one event for all (:meth:`HostCopies.of_groups`)."""
     if isinstance(writer, ProcessWriter):
-        return HostCopies.of(values, shared=writer.ring)
-    return HostCopies.of(values, ring_bytes)
+        return HostCopies.of_groups(groups, shared=writer.ring)
+    return HostCopies.of_groups(groups, ring_bytes)

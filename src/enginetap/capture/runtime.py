@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from enginetap.capture.procwriter import ProcessWriter, copies_for
+from enginetap.capture.procwriter import ProcessWriter, groups_for
 from enginetap.capture.labels import RequestLabels
 from enginetap.capture.options import CaptureOptions
 from enginetap.capture.probe import Probe, ProbeCall
@@ -38,7 +38,7 @@ from enginetap.capture.writer import Item, Writer
 from enginetap.core import context
 from enginetap.core.capability import ArmContext
 from enginetap.core.context import current_step
-from enginetap.core.patching import Gate, PatchSet, call_signature
+from enginetap.core.patching import Gate, PatchSet, bind_arguments
 from enginetap.core.scope import (ScopeUse, SublayerSpec, current_module, current_names,
                                   sublayer_classes)
 from enginetap.dataset import Dataset
@@ -234,12 +234,11 @@ class CaptureRuntime:
     def _capture(self, probe: Probe, wrapped: Any, instance: Any, args: tuple, kwargs: dict,
                  step: Any) -> Any:
         try:
-            bound = call_signature(probe.signature or wrapped).bind(*args, **kwargs)
+            bound = bind_arguments(probe.signature or wrapped, args, kwargs)
         except (TypeError, ValueError) as exc:  # ours to handle: the engine's call runs on
             self._fail(probe, "binding the call's arguments", exc)
             return wrapped(*args, **kwargs)
-        bound.apply_defaults()
-        call = ProbeCall(probe, instance, dict(bound.arguments), step, current_names())
+        call = ProbeCall(probe, instance, bound, step, current_names())
         claim = self._prepare(call)
         if claim is None:
             return wrapped(*args, **kwargs)
@@ -281,14 +280,15 @@ class CaptureRuntime:
                 return
             facts = self.provenance.facts(call, extracted, variant)
             ring = self.options.budget_bytes  # the pinned ring holds what the budget allows
-            checks = None
+            groups = [extracted.inputs, extracted.outputs]
             if extracted.checks:
-                checks = copies_for({str(i): flag.reshape(1) for i, (flag, _)
-                                     in enumerate(extracted.checks)}, self.writer, ring)
-            item = Item(definition, copies_for(extracted.inputs, self.writer, ring),
-                        copies_for(extracted.outputs, self.writer, ring),
+                groups.append({str(i): flag.reshape(1)
+                               for i, (flag, _) in enumerate(extracted.checks)})
+            copies = groups_for(groups, self.writer, ring)
+            item = Item(definition, copies[0], copies[1],
                         PendingReceipt(self.provenance, facts, self.labels),
-                        lambda why: self._refused(probe, why), checks,
+                        lambda why: self._refused(probe, why),
+                        copies[2] if extracted.checks else None,
                         tuple(what for _, what in extracted.checks))
             self.writer.submit(item)
         except Exception as exc:  # noqa: BLE001 - our failure: disable the probe, serve on
