@@ -133,3 +133,68 @@ def test_the_whole_batch_live_columns_agree_with_the_per_request_reading():
         assert got[1] is ok
     columns, _ = live_columns(decode, False, one, 1, 9)
     assert columns == [[3, 4, 5, 6, 7, 8], list(range(9)), [1, 2, 5, 6, 7, 8]]
+
+
+def _decode_call(batch_rows: list[int], batch: int):
+    """A decode SDPA call of a ``batch``-row padded batch whose requests sit in
+    ``batch_rows`` (the other rows are padding), with its step."""
+    from enginetap.capture.probe import ProbeCall, Probe
+    from enginetap.core.context import Step, StepRows
+    from enginetap.engines.hf.probes.attention import PAGE_SIZE
+    from enginetap.engines.hf.probes.common import instantiate
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, width = 4, 2, 8, 21
+    q = torch.randn(batch, heads, 1, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, width, dim, generator=gen)
+    v = torch.randn(batch, kv_heads, width, dim, generator=gen)
+    mask = torch.zeros(batch, 1, 1, width, dtype=torch.bool)
+    for i, b in enumerate(batch_rows):
+        mask[b, 0, 0, 3 + i:] = True  # each request its own left padding
+    n = len(batch_rows)
+    rows = StepRows([f"r{b}" for b in batch_rows], [width - 1] * n, [5] * n, list(range(n)),
+                    [width - 1] * n, token_index=list(batch_rows))
+    step = Step("test", 3, "decode", rows, padded_tokens=batch,
+                extra={"input_shape": [batch, 1]})
+    definition = instantiate("gqa_paged_decode", num_qo_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=dim, dtype="float32", page_size=PAGE_SIZE)
+    args = {"query": q, "key": k, "value": v, "attn_mask": mask, "dropout_p": 0.0,
+            "is_causal": False, "scale": None, "enable_gqa": True}
+    result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                              enable_gqa=True)
+    probe = Probe("t", "gqa_paged_decode", lambda c: definition, lambda c: None)
+    return ProbeCall(probe, None, args, step, None, result=result, definition=definition)
+
+
+def test_the_decode_adapter_keeps_only_request_rows_and_their_pages():
+    # a full batch (every row a request: the adapter picks nothing) and one with a row that
+    # is no request (its query, output and cache must not reach the workload)
+    from enginetap.engines.hf.probes.attention import _adapt_decode
+
+    for batch_rows, batch in (([0, 1, 2], 3), ([0, 2, 3], 4)):
+        call = _decode_call(batch_rows, batch)
+        got = _adapt_decode(call)
+        assert got is not None
+        q, out = call.args["query"][:, :, 0], call.result[:, :, 0]
+        assert torch.equal(got.inputs["q"], q[batch_rows])
+        assert torch.equal(got.outputs["output"], out[batch_rows])
+        live = [list(range(3 + i, 21)) for i in range(len(batch_rows))]
+        for name in ("key", "value"):
+            expected = fill_pages([call.args[name][b, :, c].transpose(0, 1)
+                                   for b, c in zip(batch_rows, live)], 16)
+            assert torch.equal(got.inputs[f"{name[0]}_cache"], expected)
+
+
+def test_token_rows_drop_padding_rows_and_pass_a_full_batch_as_it_is():
+    from enginetap.engines.hf.probes.common import token_rows
+
+    x = torch.arange(4 * 2 * 3, dtype=torch.float32).reshape(4, 2, 3)  # [batch, columns, w]
+    padded = _decode_call([0, 2, 3], 4)
+    padded.step.extra["input_shape"] = [4, 2]
+    padded.step.padded_tokens = 8
+    padded.step.rows.token_index = [1, 5, 7]
+    assert torch.equal(token_rows(padded, x), x.reshape(8, 3)[[1, 5, 7]])
+    full = _decode_call([0, 1, 2], 3)
+    y = torch.randn(3, 1, 5)
+    assert token_rows(full, y).data_ptr() == y.data_ptr()  # nothing gathered
+    assert torch.equal(token_rows(full, y), y)

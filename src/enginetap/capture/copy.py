@@ -136,5 +136,5 @@ def _into(region: Region, offset: int, value: torch.Tensor) -> tuple[torch.Tenso
     STATS.tensors += 1
     STATS.bytes += value.numel() * value.element_size()
     target = region.take(offset, value.shape, value.dtype)
-    target.copy_(value.detach(), non_blocking=value.is_cuda)
+    target.copy_(value.detach() if value.requires_grad else value, non_blocking=value.is_cuda)
     return target, offset + _aligned(value)

@@ -207,14 +207,18 @@ def _adapt_decode(call: ProbeCall) -> Extracted | None:
     page_size = consts["page_size"]
     paged = _paged(call, live, page_size, k.device)
     notes += paged.notes
-    inputs = {"q": q[:, :, 0].index_select(0, paged.rows),
+    every = paged.batch_rows == list(range(q.shape[0]))  # no padding row: nothing to pick
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return t if every else t.index_select(0, paged.rows)
+
+    inputs = {"q": real(q[:, :, 0]),
               "k_cache": gather_pages(k, paged.slots, page_size),
               "v_cache": gather_pages(v, paged.slots, page_size),
               "kv_indptr": paged.pages.indptr, "kv_indices": paged.pages.indices,
               "kv_last_page_len": paged.pages.last_page_len,
               "sm_scale": _scale(call, q.shape[-1])}
-    return Extracted(inputs, {"output": call.result[:, :, 0].index_select(0, paged.rows)},
-                     notes, checks=checks)
+    return Extracted(inputs, {"output": real(call.result[:, :, 0])}, notes, checks=checks)
 
 
 class _Paged:
@@ -222,7 +226,7 @@ class _Paged:
     notes that say so: the same for every layer of the step (built once)."""
 
     def __init__(self, live: _Live, page_size: int, device: torch.device) -> None:
-        rows = [r.batch_row for r in live.requests]
+        rows = self.batch_rows = [r.batch_row for r in live.requests]
         # on the device once per step (indexing with a Python list waits for the device)
         self.rows = torch.tensor(rows).to(device, non_blocking=True)
         self.pages = pack_pages([len(c) for c in live.columns], page_size)

@@ -37,11 +37,16 @@ def instantiate(family: str, **values: Any) -> Definition:
 
 def token_rows(call: ProbeCall, tensor: torch.Tensor) -> torch.Tensor:
     """The step's real token rows of ``tensor`` (``[batch, columns, *rest]``, or already
-    flat ``[tokens, *rest]``), as ``[rows, *rest]`` in step-row order (padding dropped)."""
+    flat ``[tokens, *rest]``), as ``[rows, *rest]`` in step-row order (padding dropped);
+    ``tensor`` itself, flattened, when every row is real and in order (capture copies it
+    out before the engine goes on)."""
     step = call.step
     padded = step.padded_tokens or len(step.rows)
     flat = tensor.reshape(padded, *tensor.shape[2:]) if tensor.dim() >= 2 and \
         tensor.shape[0] * tensor.shape[1] == padded and tensor.shape[0] != padded else tensor
+    if flat.shape[0] == padded and step.memo(("hf.rows.every", padded), lambda: (
+            step.rows.token_index == list(range(padded)))):
+        return flat  # no padding row to drop (a full decode batch): no gather to launch
     index = step.device_rows("token_index", flat.device)
     return flat.index_select(0, index)
 
