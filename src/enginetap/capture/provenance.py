@@ -68,11 +68,15 @@ class Provenance:
         """What the receipt needs from the call, taken now (cheap: numbers and strings;
         no reference to the engine's tensors survives the call)."""
         step = call.step
-        rows = extracted.rows if extracted.rows is not None else range(len(step.rows))
-        keys = list(dict.fromkeys(step.rows.keys[i] for i in rows))
+        if extracted.rows is None:  # every row: the same keys for every workload of the step
+            keys = list(step.memo("capture.keys", lambda: list(dict.fromkeys(step.rows.keys))))
+            count = len(step.rows)
+        else:
+            keys = list(dict.fromkeys(step.rows.keys[i] for i in extracted.rows))
+            count = len(extracted.rows)
         return Facts(step.step, step.mode, keys, call.layer, call.probe.name,
                      call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
-                     variant, len(list(rows)), len(step.rows), list(extracted.notes))
+                     variant, count, len(step.rows), list(extracted.notes))
 
     def receipt(self, facts: Facts, labels: dict[str, dict[str, Any]]) -> Receipt:
         """The workload's receipt (built on the writer thread)."""
