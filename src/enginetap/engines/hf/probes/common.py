@@ -38,8 +38,8 @@ def instantiate(family: str, **values: Any) -> Definition:
 def token_rows(call: ProbeCall, tensor: torch.Tensor) -> torch.Tensor:
     """The step's real token rows of ``tensor`` (``[batch, columns, *rest]``, or already
     flat ``[tokens, *rest]``), as ``[rows, *rest]`` in step-row order (padding dropped);
-    ``tensor`` itself, flattened, when every row is real and in order (capture copies it
-    out before the engine goes on)."""
+    without a gather when every row is real and in order (a view of the engine's tensor:
+    capture copies it out before the engine goes on)."""
     step = call.step
     padded = step.padded_tokens or len(step.rows)
     flat = tensor.reshape(padded, *tensor.shape[2:]) if tensor.dim() >= 2 and \
@@ -156,9 +156,10 @@ def live_columns(mask: torch.Tensor | None, is_causal: bool, requests: list[Batc
     copy of the mask and a few whole-batch array operations (per request, about ten tensor
     operations took 1.8 ms of a 32-request decode step on the CPU).
 
-    NumPy, not torch, on the host: some of torch's CPU operations split even a tiny input
-    over the engine's intra-op threads, and beside a busy writer process one such
-    operation took 40 ms of a decode step on the H200 machine's 16 cores."""
+    NumPy, not torch, on the host: some of torch's CPU operations (``repeat_interleave``)
+    split even a 32-element input over the engine's intra-op threads; beside a busy writer
+    process the page tables built that way took 40 ms of a decode step on the H200
+    machine's 16 cores (1.6 ms with one intra-op thread)."""
     if not requests:
         return [], True
     if mask is None:
