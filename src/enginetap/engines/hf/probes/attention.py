@@ -21,6 +21,7 @@ MLA modules (DeepSeek) call the same kernel; they are left to the MLA probe.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from enginetap.engines.hf.probes.common import (
     gather_pages,
     instantiate,
     live_columns,
+    one_run,
     pack_pages,
     page_slots,
 )
@@ -149,7 +151,7 @@ class _Live:
 
 def _span(columns: list[int]) -> slice | list[int]:
     """``columns`` (increasing) as a slice when they are consecutive."""
-    if columns and columns[-1] - columns[0] + 1 == len(columns):
+    if one_run(columns):
         return slice(columns[0], columns[-1] + 1)
     return columns
 
@@ -227,8 +229,7 @@ class _Paged:
 
     def __init__(self, live: _Live, page_size: int, device: torch.device) -> None:
         rows = self.batch_rows = [r.batch_row for r in live.requests]
-        # on the device once per step (indexing with a Python list waits for the device)
-        self.rows = torch.tensor(rows).to(device, non_blocking=True)
+        self.device = device
         self.pages = pack_pages([len(c) for c in live.columns], page_size)
         self.slots = page_slots(self.pages, live.columns, rows, page_size, device)
         indptr = self.pages.indptr.tolist()
@@ -239,6 +240,12 @@ class _Paged:
                        f"columns {column_ranges(c)} of batch row {r.batch_row}"
                        for i, (r, c) in enumerate(zip(live.requests, live.columns))]
         self.notes.append("lse: the engine's kernel does not return it; not stored")
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """The requests' batch rows on the device, made once per step and only where a
+        row must be picked (indexing with a Python list waits for the device)."""
+        return torch.tensor(self.batch_rows).to(self.device, non_blocking=True)
 
 
 def _paged(call: ProbeCall, live: _Live, page_size: int, device: torch.device) -> _Paged:

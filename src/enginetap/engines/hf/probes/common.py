@@ -22,8 +22,8 @@ from enginetap.dataset.schema import Definition
 from enginetap.definitions import get_template
 
 __all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
-           "end_aligned", "fill_pages", "gather_pages", "instantiate", "live_columns", "pack_pages",
-           "page_slots", "token_rows", "visible_columns"]
+           "end_aligned", "fill_pages", "gather_pages", "instantiate", "live_columns", "one_run",
+           "pack_pages", "page_slots", "token_rows", "visible_columns"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -193,6 +193,11 @@ def live_columns(mask: torch.Tensor | None, is_causal: bool, requests: list[Batc
     return columns, ok
 
 
+def one_run(columns: list[int]) -> bool:
+    """Whether increasing ``columns`` are one run of consecutive columns (not empty)."""
+    return bool(columns) and columns[-1] - columns[0] + 1 == len(columns)
+
+
 def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], page_size: int,
                device: torch.device) -> Slots:
     """Where every slot of ``pages`` (:func:`pack_pages` of the requests' lengths) comes
@@ -208,7 +213,7 @@ def page_slots(pages: Pages, columns: list[list[int]], rows: list[int], page_siz
     length = lengths[request]
     valid = offset < length
     within = np.minimum(offset, np.maximum(length - 1, 0))
-    if all(c and c[-1] - c[0] + 1 == len(c) for c in columns):  # one run each (usual)
+    if all(map(one_run, columns)):  # the usual case
         column = np.array([c[0] for c in columns], dtype=np.int64)[request] + within
     else:
         flat = np.fromiter((c for cs in columns for c in cs), dtype=np.int64,
