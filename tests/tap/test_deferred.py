@@ -39,8 +39,11 @@ def test_built_in_engine_deferred_equals_gathered_and_writes_are_caught() -> Non
         "(something writes the tensor later in the step)"]
     # ... only at step 4: the periodic full verification (every 4 steps here)
     assert found["late"]["demoted"] == found["hidden"]["demoted"]
-    # through the version counter, after verification: dropped from that step, demoted
-    assert found["counted"]["dropped"] == [[3, ["L0.post_norm.out"]]]
+    # through the version counter: demoted; at step 3, past its verifications on the CPU,
+    # its deferred hash is dropped from that step. On a GPU, where flags reach the host a
+    # step later, step 3 is still verified (staged as well): the staged hash is recorded.
+    assert found["counted"]["dropped"] == ([] if device == "cuda"
+                                           else [[3, ["L0.post_norm.out"]]])
     assert found["counted"]["demoted"] == [
         "L0.post_norm.out: modified in place after its checkpoint, before the step ended "
         "(its version counter moved)"]
@@ -57,6 +60,28 @@ def test_what_can_be_deferred() -> None:
     deferred.demoted["e"] = "test"
     assert not deferred.accepts("e", words)
 
+
+
+def test_kept_without_a_view_is_hashed_like_its_row_view() -> None:
+    """The checkpoint's fast path keeps a contiguous tensor as it is (no row view made):
+    the hash kernel's table must then read the same words as through the view."""
+    deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20)
+    deferred.reset("decode", 1)
+    prefill = torch.arange(4 * 2 * 64, dtype=torch.float32).to(torch.bfloat16).view(4, 2, 64)
+    assert deferred.keep("fast", prefill, words=prefill.nbytes // 8 // 4,
+                         nbytes=prefill.nbytes) == 0  # 8 token rows of 128 bytes
+    deferred.add("view", prefill.view(8, -1))
+    assert deferred.columns[0] == deferred.columns[1] == (prefill.data_ptr(), 32, 32)
+    assert deferred.tensors[0] is prefill
+    strided = torch.zeros(8, 96, dtype=torch.bfloat16)[:, :64]  # rows 192 bytes apart
+    assert deferred.accepts("strided", strided)
+    deferred.add("strided", strided)
+    assert deferred.columns[2] == (strided.data_ptr(), 48, 32)
+    assert deferred.held == prefill.nbytes + strided.shape[0] * strided.stride(0) * 2
+    deferred.demoted["gone"] = "test"
+    assert deferred.keep("gone", prefill, words=32, nbytes=prefill.nbytes) == -1
+    assert deferred.keep("big", prefill, words=32, nbytes=1 << 20) == -1  # over the budget
+    assert len(deferred.tensors) == len(deferred.columns) == 3
 
 def test_verification_and_version_counters() -> None:
     deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20, verify=2, verify_every=10)
@@ -92,3 +117,21 @@ def test_flags_a_step_late_verify_one_step_more() -> None:
     for step, full in ((9, False), (10, True), (11, True), (12, False)):
         deferred.reset("decode", step)
         assert deferred.needs_check("x") == full
+
+
+def test_flags_read_a_step_late_demote_their_own_steps_names() -> None:
+    """On a GPU a step's verification flags are read at the next step's end, when the
+    deferred state already lists that next step's checks (one fewer once a name is
+    demoted): each flag must still demote the name it verified."""
+    deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20, verify=3, lag=1)
+    deferred.reset("decode", 1)
+    deferred.checks = [("a", 0, 0), ("b", 1, 1), ("c", 2, 2)]
+    late = [name for name, _, _ in deferred.checks]  # what the recorder keeps with the flags
+    deferred.reset("decode", 2)
+    deferred.checks = [("a", 0, 0), ("c", 1, 1)]  # the next step's, before the flags land
+    deferred.compare_flags(torch.tensor([1, 0, 1]), late)
+    assert list(deferred.demoted) == ["b"]
+    deferred.compare_flags(torch.tensor([1, 0]))  # read in its own step: its own checks
+    assert list(deferred.demoted) == ["b", "c"]
+    with pytest.raises(ValueError):  # flags and names that do not pair up are a bug
+        deferred.compare_flags(torch.tensor([1, 1, 1]))

@@ -67,6 +67,9 @@ class DeferredHashes:
     tensors: list[torch.Tensor] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    columns: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per kept tensor: address, row stride and row width in 32-bit words (the hash
+    kernel's table, taken when the tensor is kept)."""
     checks: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, staged slot, deferred slot) of the checkpoints verified this step."""
     held: int = 0
@@ -79,6 +82,7 @@ class DeferredHashes:
     def reset(self, mode: str = "", step: int = 1) -> None:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
+        self.columns = []
         self.mode = mode
         self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
@@ -109,9 +113,28 @@ class DeferredHashes:
         return True
 
     def add(self, name: str, source: torch.Tensor) -> int:
-        """Keep ``source`` to hash at step end; its slot among this step's deferred."""
+        """Keep ``source`` (accepted by :meth:`accepts`) to hash at step end; its slot
+        among this step's deferred."""
+        size = source.element_size()
+        self.columns.append((source.data_ptr(), source.stride(0) * size // 4,
+                             source.shape[1] * size // 4))
         self.tensors.append(source)
         self.versions.append(None if source.is_inference() else source._version)
+        self.names.append(name)
+        return len(self.tensors) - 1
+
+    def keep(self, name: str, tensor: torch.Tensor, words: int, nbytes: int) -> int:
+        """:meth:`accepts` and :meth:`add` in one call for a contiguous ``tensor`` of
+        ``nbytes`` whose token rows are ``words`` 32-bit words each, at a 4-byte aligned
+        address (the caller checked): its slot, or -1 if it must be staged instead. The
+        checkpoint's fast path: no view of the tensor is made (a view is a tensor object,
+        microseconds per checkpoint)."""
+        if name in self.demoted or self.held + nbytes > self.budget:
+            return -1
+        self.held += nbytes
+        self.columns.append((tensor.data_ptr(), words, words))
+        self.tensors.append(tensor)
+        self.versions.append(None if tensor.is_inference() else tensor._version)
         self.names.append(name)
         return len(self.tensors) - 1
 
@@ -132,23 +155,23 @@ class DeferredHashes:
 
         if not self.tensors:
             return torch.zeros((0, index.numel()), dtype=torch.int64, device=self.device)
-        columns = []
-        widest = 1
-        for t in self.tensors:
-            size = t.element_size()
-            width = t.shape[1] * size // 4
-            widest = max(widest, width)
-            self.hashed_bytes += width * 4 * index.numel()
-            columns.append((t.data_ptr(), t.stride(0) * size // 4, width))
-        table = torch.tensor(columns, dtype=torch.int64).t().contiguous()
+        widths = [width for _, _, width in self.columns]
+        widest = max(1, max(widths))
+        self.hashed_bytes += sum(widths) * 4 * index.numel()
+        table = torch.tensor(self.columns, dtype=torch.int64).t().contiguous()
         out = kernels.hash_table_rows(table.to(self.device, non_blocking=True), index, widest)
-        self.tensors = []
+        self.tensors, self.columns = [], []
         return out
 
-    def compare_flags(self, equal: torch.Tensor) -> None:
-        """This step's verifications as host flags (1: the deferred hash of every tapped
-        row equals the staged one), in :attr:`checks` order; a 0 demotes the name."""
-        for (name, _, _), same in zip(self.checks, equal.tolist()):
+    def compare_flags(self, equal: torch.Tensor, names: list[str] | None = None) -> None:
+        """A step's verifications as host flags (1: the deferred hash of every tapped row
+        equals the staged one), in the order of that step's checks: ``names``, or this
+        step's :attr:`checks` (flags read in the step that made them); a 0 demotes the
+        name. Flags read a step late must come with their own step's names: by then
+        :attr:`checks` holds the next step's, which differ once a name was demoted."""
+        if names is None:
+            names = [name for name, _, _ in self.checks]
+        for name, same in zip(names, equal.tolist(), strict=True):
             if not same:
                 self._demote(name, "its bytes at step end differ from those at its "
                                    "checkpoint (something writes the tensor later in the "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from weakref import WeakKeyDictionary
+import weakref
 
 import torch
 
@@ -69,7 +69,9 @@ class CheckpointNames:
     checkpoint is what a tap costs)."""
 
     def __init__(self) -> None:
-        self._names: WeakKeyDictionary[Any, ModuleNames] = WeakKeyDictionary()
+        self._names: dict[int, ModuleNames] = {}
+        """By ``id(module)``: a plain dict lookup per call (a weak-key dictionary makes a
+        weak reference per lookup); an entry goes when its module is collected."""
 
     def add_model(self, model: Any) -> None:
         shorts = {q: SCOPE.short(m) for q, m in model.named_modules()}
@@ -80,31 +82,37 @@ class CheckpointNames:
             parent = shorts.get(qualname.rpartition(".")[0]) if "." in qualname else None
             base = f"{short}.core" if parent == short else short
             kind = short.rpartition(".")[2]
-            self._names[module] = ModuleNames((base, f"{base}.in", f"{base}.out", kind,
-                                               bool(_LAYER.match(base))))
+            key = id(module)
+            if key not in self._names:
+                weakref.finalize(module, self._names.pop, key, None)
+            self._names[key] = ModuleNames((base, f"{base}.in", f"{base}.out", kind,
+                                            bool(_LAYER.match(base))))
 
     def get(self, module: Any) -> str | None:
-        found = self._names.get(module)
+        found = self._names.get(id(module))
         return None if found is None else found[0]
 
     def entry(self, module: Any) -> ModuleNames | None:
-        return self._names.get(module)
+        return self._names.get(id(module))
 
 
 def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
     """The wrapper factory's product for every sublayer target."""
     every_input = recorder.options.inputs == "all"
     continuity = recorder.options.continuity
+    by_id = names._names
 
     def tap_sublayer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        entry = names.entry(instance) if recorder.step is not None else None
+        entry = by_id.get(id(instance)) if recorder.step is not None else None
         if entry is None:
             return wrapped(*args, **kwargs)
         name, name_in, name_out, kind, is_layer = entry
-        hidden = _hidden(args, kwargs)
+        states = continuity and kind == "gdn"
+        hidden = _hidden(args, kwargs) if (every_input or is_layer or states
+                                           or (continuity and kind == "attn")) else None
         if every_input or is_layer:
             recorder.checkpoint(name_in, hidden)
-        if continuity and kind == "gdn":
+        if states:
             _state_points(recorder, name, instance, hidden, kwargs, "before")
         out = wrapped(*args, **kwargs)
         if isinstance(out, torch.Tensor):
@@ -114,7 +122,7 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
                 recorder.checkpoint(f"{name}.{suffix}", tensor)
         if continuity and kind == "attn":
             _kv_points(recorder, name, instance, hidden, kwargs)
-        elif continuity and kind == "gdn":
+        elif states:
             _state_points(recorder, name, instance, hidden, kwargs, "after")
         return out
 

@@ -31,6 +31,7 @@ from enginetap.tap.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
 
+
 __all__ = ["FORMAT", "TapRecorder"]
 
 FORMAT = "enginetap-tap"
@@ -61,12 +62,16 @@ class TapRecorder:
         """Checkpoints of the last step hashed in place at step end (the rest gathered)."""
         self._staging: dict[torch.device, StepStaging] = {}
         self._deferred: dict[torch.device, DeferredHashes | None] = {}
+        self._fast: dict[int, DeferredHashes] = {}
+        """The devices whose checkpoints are deferred, by ``Tensor.get_device()`` index
+        (the checkpoint's fast path: no ``torch.device`` made per call)."""
         self._defer = options.defer and options.vectors == "off"
         self._cuda = torch.cuda.is_available()
         self._forced = options.force
-        self._flags: list[tuple[torch.cuda.Event, torch.Tensor, DeferredHashes | None]] = []
-        """Verification flags of the last step whose hashes were queued without waiting
-        (see :meth:`_transfer_later`)."""
+        self._flags: list[tuple[torch.cuda.Event, torch.Tensor, DeferredHashes | None,
+                                list[str]]] = []
+        """Verification flags of the last step whose hashes were queued without waiting,
+        with the names they verify (see :meth:`_transfer_later`)."""
         self._clear()
 
     def _clear(self) -> None:
@@ -207,10 +212,38 @@ class TapRecorder:
     def checkpoint(self, name: str, tensor: Any) -> None:
         """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
         forward) under ``name``; tensors of another layout are skipped. Runs once per
-        checkpoint: kept to a few attribute reads and a kept reference (deferred) or one
-        gather."""
-        if self.step is None or not isinstance(tensor, torch.Tensor):
+        checkpoint, hundreds of times per step: the usual case (a contiguous tensor on a
+        device whose checkpoints are deferred) is a few attribute reads and a kept
+        reference, with no tensor object made; the rest takes :meth:`_checkpoint`."""
+        if self.step is None or not isinstance(tensor, torch.Tensor) or not self.allowed(name):
+            return  # allowed() first: under compile tracing nothing else may run here
+        deferred = self._fast.get(tensor.get_device()) if self._fast else None
+        if deferred is None or tensor.requires_grad or not tensor.is_contiguous():
+            self._checkpoint(name, tensor)
             return
+        shape, padded = tensor.shape, self.padded
+        nbytes = tensor.nbytes
+        if not (shape and (shape[0] == padded or (len(shape) > 1
+                                                    and shape[0] * shape[1] == padded))
+                and nbytes and not nbytes % (4 * padded) and not tensor.data_ptr() % 4):
+            self._checkpoint(name, tensor)
+            return
+        unique = name if name not in self.counts else self._unique(name)
+        self.counts.setdefault(name, 1)
+        slot = deferred.keep(unique, tensor, nbytes // padded // 4, nbytes)
+        if slot >= 0 and not deferred.needs_check(unique):
+            self.names.append((deferred.device, unique))
+            self.slots.append(-1 - slot)
+            return
+        source = token_rows(tensor, padded)
+        assert source is not None  # the row layout was checked above
+        self._stage_named(unique, source, slot, deferred)
+
+    def _checkpoint(self, name: str, tensor: torch.Tensor) -> None:
+        """:meth:`checkpoint` (past :meth:`allowed`) for what its fast path does not
+        take: a view of the rows
+        (non-contiguous or grad-tracking tensors, row shards of a sequence-parallel
+        forward), deferred where the device allows, else gathered."""
         if tensor.requires_grad:  # only outside inference mode; a view costs little
             tensor = tensor.detach()
         source = token_rows(tensor, self.padded)
@@ -218,7 +251,7 @@ class TapRecorder:
             # A row shard of a sequence-parallel forward: fingerprint every rank's rows.
             joined = join_rows(tensor, self.padded)
             source = None if joined is None else token_rows(joined, self.padded)
-        if source is None or not self.allowed(name):
+        if source is None:
             return
         device = source.device
         unique = name if name not in self.counts else self._unique(name)
@@ -234,6 +267,12 @@ class TapRecorder:
                     self.names.append((device, unique))
                     self.slots.append(-1 - check)
                     return
+        self._stage_named(unique, source, check, deferred)
+
+    def _stage_named(self, unique: str, source: torch.Tensor, check: int,
+                     deferred: DeferredHashes | None) -> None:
+        """Gather ``source``'s tapped rows under ``unique``; with ``check`` >= 0 the same
+        checkpoint is also deferred (slot ``check``) and the two hashes are compared."""
         if self._pending is not None:
             self._prepare()
             if self.step is None:
@@ -241,7 +280,7 @@ class TapRecorder:
         slot = self._stage(source)
         if check >= 0 and deferred is not None:
             deferred.checks.append((unique, slot, check))
-        self.names.append((device, unique))
+        self.names.append((source.device, unique))
         self.slots.append(slot)
 
     def _stage(self, source: torch.Tensor) -> int:
@@ -265,6 +304,8 @@ class TapRecorder:
             if self.step is not None:
                 found.reset(self.step.mode, self.step.step)
         self._deferred[source.device] = found
+        if found is not None:
+            self._fast[source.get_device()] = found
         return found
 
     def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
@@ -374,7 +415,8 @@ class TapRecorder:
             event.record(torch.cuda.current_stream(device))
             copies.append((event, device, names, checks.numel(), host, len(extra)))
         self._apply_flags()  # the previous step's: landed long ago
-        self._flags = [(event, host[len(names) * k:len(names) * k + n], self._deferred[device])
+        self._flags = [(event, host[len(names) * k:len(names) * k + n],
+                        self._deferred[device], self._checked(device))
                        for event, device, names, n, host, _ in copies if n]
         self.sink.pump()  # the previous step's record, while the device works on this one
 
@@ -394,10 +436,15 @@ class TapRecorder:
         """Demote the deferred checkpoints whose verification failed in the step whose
         hashes were queued last (its flags read once its copy landed)."""
         flags, self._flags = self._flags, []
-        for event, equal, deferred in flags:
+        for event, equal, deferred, names in flags:
             event.synchronize()
             if deferred is not None:
-                deferred.compare_flags(equal)
+                deferred.compare_flags(equal, names)
+
+    def _checked(self, device: torch.device) -> list[str]:
+        """The names this step verified on ``device``, in the order of its flags."""
+        deferred = self._deferred.get(device)
+        return [] if deferred is None else [name for name, _, _ in deferred.checks]
 
     def _device_hashes(self, device: torch.device, entries: list[tuple[str, int]],
                        dropped: list[str]) -> tuple[torch.Tensor, list[str], torch.Tensor]:
