@@ -26,6 +26,7 @@ seed/tap overhead ratio, checkpoints per step and bytes hashed per step.
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import statistics
 import tempfile
@@ -90,6 +91,8 @@ class Loop:
         sync()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] \
             if torch.cuda.is_available() else []
+        mallocs, collected = device_mallocs(), GC_TIME[0]
+        cpu = time.thread_time()
         start = CLOCK()
         if events:
             events[0].record()
@@ -102,11 +105,13 @@ class Loop:
             self.next = out.logits[:, -1].argmax(-1, keepdim=True)
             step.sampled = {f"q{i}": 0 for i in range(b)}
             self.launched = CLOCK() - start  # host done launching the forward
+            self.launched_cpu = time.thread_time() - cpu
             if events:
                 events[1].record()
         if events:
             events[2].record()
         sync()
+        self.gc, self.mallocs = GC_TIME[0] - collected, device_mallocs() - mallocs
         if events:  # device time of the forward, and of what the step's end added after it
             self.device_times = (events[0].elapsed_time(events[1]) / 1e3,
                                  events[1].elapsed_time(events[2]) / 1e3)
@@ -117,6 +122,27 @@ class Loop:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def device_mallocs() -> int:
+    """cudaMalloc calls of the caching allocator so far (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("num_device_alloc", 0))
+
+
+GC_TIME = [0.0]
+"""Seconds spent in Python's garbage collector so far (all generations)."""
+
+
+def _gc_clock(phase: str, info: dict[str, Any], started: list[float] = [0.0]) -> None:
+    if phase == "start":
+        started[0] = time.perf_counter()
+    else:
+        GC_TIME[0] += time.perf_counter() - started[0]
+
+
+gc.callbacks.append(_gc_clock)
 
 
 class SeedStyle:
@@ -240,6 +266,27 @@ def time_hooks() -> None:
         setattr(TapRecorder, name, timed)
 
 
+CHECKPOINT_TIME: dict[str, list[float]] = {}
+
+
+def time_checkpoints() -> None:
+    """Host time of each call of the recorder's checkpoint and of its graph-capture check
+    (summed per step in :meth:`Loop.decode`'s caller)."""
+    from enginetap.tap.recorder import TapRecorder
+
+    for name in ("checkpoint", "allowed"):
+        original = getattr(TapRecorder, name)
+
+        def timed(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(self, *args)
+            finally:
+                CHECKPOINT_TIME.setdefault(_name, []).append(time.perf_counter() - start)
+
+        setattr(TapRecorder, name, timed)
+
+
 def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
     return {"disarmed": Nothing(),
             "tap": TapVariant(model, out / "tap", {"max_rows": rows, "continuity": False,
@@ -276,6 +323,9 @@ def main() -> None:
                         "cache grows every step and its allocations stall the host at random")
     parser.add_argument("--time-hooks", action="store_true",
                         help="also print the host time of the recorder's step begin/end")
+    parser.add_argument("--time-checkpoints", action="store_true",
+                        help="also print the host time per call of the recorder's checkpoint "
+                        "(and of its graph-capture check inside it)")
     parser.add_argument("--trace", default="", help="comma-separated variants whose device "
                         "kernels to list (torch.profiler, CUDA only)")
     parser.add_argument("--profile", default="", help="also print the host profile "
@@ -283,6 +333,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.time_hooks:
         time_hooks()
+    if args.time_checkpoints:
+        time_checkpoints()
     torch.set_num_threads(args.threads)
     DEVICE = args.device
     if args.device == "cpu" and args.threads == 1:
@@ -297,6 +349,7 @@ def main() -> None:
                 args.context + steps + 8 if args.static else 0)
     times: dict[str, list[float]] = {name: [] for name in variants}
     launched: dict[str, list[float]] = {}
+    host: dict[str, list[tuple[float, float, int]]] = {}
     device: dict[str, list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for name, variant in variants.items():
@@ -307,6 +360,8 @@ def main() -> None:
                 for _ in range(args.steps):
                     times[name].append(loop.decode())
                     launched.setdefault(name, []).append(loop.launched)
+                    host.setdefault(name, []).append((loop.launched_cpu, loop.gc,
+                                                      loop.mallocs))
                     if hasattr(loop, "device_times"):
                         device.setdefault(name, []).append(loop.device_times)
             finally:
@@ -315,6 +370,12 @@ def main() -> None:
     print("  host time to launch the forward (median; below the step time: the device, not "
           "the host, sets the pace): " + ", ".join(
               f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in launched.items()))
+    print("  the engine thread's own CPU time while launching (median; far below the host "
+          "time above: the thread waited, not worked), garbage collection per step (mean) "
+          "and device allocations (total): " + ", ".join(
+              f"{name} {statistics.median(c for c, _, _ in h) * 1e3:.2f} ms / "
+              f"{statistics.fmean(g for _, g, _ in h) * 1e3:.2f} ms / {sum(m for *_, m in h)}"
+              for name, h in host.items()))
     if device:
         print("  device time (CUDA events, medians): forward / after the forward until the "
               "step ended: " + ", ".join(
@@ -324,6 +385,10 @@ def main() -> None:
     for name, spent in HOOK_TIME.items():
         print(f"  recorder.{name}: median {statistics.median(spent) * 1e3:.3f} ms host time "
               f"over {len(spent)} steps (all tap variants)")
+    for name, spent in CHECKPOINT_TIME.items():
+        print(f"  recorder.{name}: median {statistics.median(spent) * 1e6:.2f} us, mean "
+              f"{statistics.fmean(spent) * 1e6:.2f} us host time per call over {len(spent)} "
+              f"calls (all tap variants)")
     if args.profile:
         profile(loop, variants[args.profile], args.steps)
     for name in filter(None, args.trace.split(",")):
