@@ -366,8 +366,8 @@ def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
 def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
     """Outside selected steps the probes' and the module scope's gates are shut: wrapt
     calls the engine's functions directly, so no wrapper of ours runs (the scope names
-    no module); on selected steps both run. With tap armed too, the scope runs on every
-    step (tap needs it) while capture's probes stay shut on unselected steps."""
+    no module); on selected steps both run. With tap armed too the same: the tap takes
+    names from the scope's registry and never reads the running sublayer."""
     from enginetap.core.scope import current_module
 
     seen: dict[tuple[int, str], set[bool]] = {}
@@ -403,7 +403,7 @@ def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
         modes = {mode for _, mode in seen}
         assert modes == {"prefill", "decode"}
         for (_, mode), inside in seen.items():
-            if mode == "prefill" or "tap" in capabilities:
+            if mode == "prefill":
                 assert inside == {True}, (capabilities, mode)
             else:
                 assert inside == {False}, (capabilities, mode)

@@ -67,3 +67,32 @@ def test_device_rows_are_built_once_per_step():
     with pytest.raises(KeyError, match="not a row column"):
         step.device_rows("nonsense", "cpu")
     assert "_device" not in step.to_json()
+
+
+
+def test_the_tap_alone_leaves_the_running_sublayer_untracked(tmp_path):
+    """The tap names its checkpoints from the scope's registry and never reads the running
+    sublayer, so armed alone it keeps the scope's wrappers shut (host time per module
+    call); the scope armed by itself tracks it (the test above)."""
+    from enginetap.tap.files import load_run
+
+    seen: list[tuple[str, str]] = []
+
+    def spy(wrapped, instance, args, kwargs):
+        names = current_names()
+        if names is not None:
+            seen.append(names)
+        return wrapped(*args, **kwargs)
+
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=tmp_path)
+    engine = HFEngine.from_builtin("qwen3_next", arm=config)
+    try:
+        assert not engine.arming.context.notes["scope"].gate.is_open
+        with PatchSet("spy", [Patch(Target.parse("torch.nn.functional:silu"), spy)]):
+            engine.generate([Request(request_id="a", prompt="hello there", max_new_tokens=2)])
+    finally:
+        disarm()
+    assert not seen
+    steps = load_run(tmp_path).rank(0).steps
+    assert steps and all("L1.gdn.out" in s.checkpoints and "L3.attn.out" in s.checkpoints
+                         for s in steps)  # names from the registry all the same
