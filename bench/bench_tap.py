@@ -302,21 +302,26 @@ def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
             "seed-002": SeedStyle(model, rows)}
 
 
-def main() -> None:
-    global DEVICE, CLOCK
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, batch and device options (shared with ``tap_host_breakdown.py``)."""
     parser.add_argument("--model", default="builtin:llama")
     parser.add_argument("--hidden", type=int, default=0, help="random Llama of this width")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+
+
+def main() -> None:
+    global DEVICE, CLOCK
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="decode steps per variant per round")
     parser.add_argument("--warm", type=int, default=3,
                         help="untimed decode steps after each variant is armed")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     parser.add_argument("--static", action="store_true",
                         help="a preallocated KV cache (transformers StaticCache): the dynamic "

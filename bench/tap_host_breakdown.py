@@ -105,17 +105,10 @@ class Altered(bt.TapVariant):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="builtin:llama")
-    parser.add_argument("--hidden", type=int, default=0, help="random Llama of this width")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=64)
+    bt.model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per variant "
                         "per round (after 3 untimed)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     torch.set_num_threads(1)
     bt.DEVICE = args.device

@@ -29,7 +29,9 @@ def test_short_names(qualname, moe, short):
     assert short_name(qualname, moe) == short
 
 
-def test_current_module_names_every_sublayer_during_a_forward(tmp_path):
+def _names_seen_in_silu(engine: HFEngine) -> set[tuple[str, str]]:
+    """The scope's names of the running sublayer at every ``silu`` call of a short
+    generation (the engine disarmed after it)."""
     seen: set[tuple[str, str]] = set()
 
     def spy(wrapped, instance, args, kwargs):
@@ -38,13 +40,18 @@ def test_current_module_names_every_sublayer_during_a_forward(tmp_path):
             seen.add(names)
         return wrapped(*args, **kwargs)
 
-    config = ArmConfig(enabled=True, capabilities=["scope"], out_dir=tmp_path)
-    engine = HFEngine.from_builtin("qwen3_next", arm=config)
     try:
         with PatchSet("spy", [Patch(Target.parse("torch.nn.functional:silu"), spy)]):
             engine.generate([Request(request_id="a", prompt="hello there", max_new_tokens=2)])
     finally:
         disarm()
+    return seen
+
+
+def test_current_module_names_every_sublayer_during_a_forward(tmp_path):
+    config = ArmConfig(enabled=True, capabilities=["scope"], out_dir=tmp_path)
+    engine = HFEngine.from_builtin("qwen3_next", arm=config)
+    seen = _names_seen_in_silu(engine)
     shorts = {s for _, s in seen}
     # silu runs inside the 3 GDN layers and every layer's experts and shared expert;
     # the innermost sublayer is the one named
@@ -69,30 +76,16 @@ def test_device_rows_are_built_once_per_step():
     assert "_device" not in step.to_json()
 
 
-
 def test_the_tap_alone_leaves_the_running_sublayer_untracked(tmp_path):
     """The tap names its checkpoints from the scope's registry and never reads the running
     sublayer, so armed alone it keeps the scope's wrappers shut (host time per module
     call); the scope armed by itself tracks it (the test above)."""
     from enginetap.tap.files import load_run
 
-    seen: list[tuple[str, str]] = []
-
-    def spy(wrapped, instance, args, kwargs):
-        names = current_names()
-        if names is not None:
-            seen.append(names)
-        return wrapped(*args, **kwargs)
-
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=tmp_path)
     engine = HFEngine.from_builtin("qwen3_next", arm=config)
-    try:
-        assert not engine.arming.context.notes["scope"].gate.is_open
-        with PatchSet("spy", [Patch(Target.parse("torch.nn.functional:silu"), spy)]):
-            engine.generate([Request(request_id="a", prompt="hello there", max_new_tokens=2)])
-    finally:
-        disarm()
-    assert not seen
+    assert not engine.arming.context.notes["scope"].gate.is_open
+    assert not _names_seen_in_silu(engine)
     steps = load_run(tmp_path).rank(0).steps
     assert steps and all("L1.gdn.out" in s.checkpoints and "L3.attn.out" in s.checkpoints
                          for s in steps)  # names from the registry all the same

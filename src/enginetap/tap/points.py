@@ -21,8 +21,8 @@ Modules of other engines lack these cache arguments, so only their outputs are r
 from __future__ import annotations
 
 import re
-from typing import Any
 import weakref
+from typing import Any
 
 import torch
 

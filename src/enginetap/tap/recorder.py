@@ -31,7 +31,6 @@ from enginetap.tap.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
 
-
 __all__ = ["FORMAT", "TapRecorder"]
 
 FORMAT = "enginetap-tap"
@@ -241,9 +240,8 @@ class TapRecorder:
 
     def _checkpoint(self, name: str, tensor: torch.Tensor) -> None:
         """:meth:`checkpoint` (past :meth:`allowed`) for what its fast path does not
-        take: a view of the rows
-        (non-contiguous or grad-tracking tensors, row shards of a sequence-parallel
-        forward), deferred where the device allows, else gathered."""
+        take (non-contiguous or grad-tracking tensors, row shards of a sequence-parallel
+        forward): a view of the rows, deferred where the device allows, else gathered."""
         if tensor.requires_grad:  # only outside inference mode; a view costs little
             tensor = tensor.detach()
         source = token_rows(tensor, self.padded)
