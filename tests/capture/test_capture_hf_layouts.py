@@ -126,7 +126,9 @@ def test_the_whole_batch_live_columns_agree_with_the_per_request_reading():
              (None, True, [BatchRequest(0, [3, 4], [0, 1], "a")], 5, 5, True),
              (None, False, [BatchRequest(0, [0], [0], "a")], 1, 4, True),
              (prefill[:1], False, [BatchRequest(0, [8], [0], "a")], 9, 9, True),
-             (prefill, False, [BatchRequest(2, [0], [0], "c")], 9, 9, False)]
+             (prefill, False, [BatchRequest(2, [0], [0], "c")], 9, 9, False),
+             (pad, False, one, 1, 9, True),  # a [batch, keys] padding mask
+             (prefill[:, 0], False, ask, 9, 9, True)]  # [batch, queries, keys]
     for mask, is_causal, requests, q_len, kv_len, ok in cases:
         got = live_columns(mask, is_causal, requests, q_len, kv_len)
         assert got == _per_request(mask, is_causal, requests, q_len, kv_len)

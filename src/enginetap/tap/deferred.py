@@ -116,12 +116,8 @@ class DeferredHashes:
         """Keep ``source`` (accepted by :meth:`accepts`) to hash at step end; its slot
         among this step's deferred."""
         size = source.element_size()
-        self.columns.append((source.data_ptr(), source.stride(0) * size // 4,
-                             source.shape[1] * size // 4))
-        self.tensors.append(source)
-        self.versions.append(None if source.is_inference() else source._version)
-        self.names.append(name)
-        return len(self.tensors) - 1
+        return self._append(name, source, (source.data_ptr(), source.stride(0) * size // 4,
+                                           source.shape[1] * size // 4))
 
     def keep(self, name: str, tensor: torch.Tensor, words: int, nbytes: int) -> int:
         """:meth:`accepts` and :meth:`add` in one call for a contiguous ``tensor`` of
@@ -132,7 +128,10 @@ class DeferredHashes:
         if name in self.demoted or self.held + nbytes > self.budget:
             return -1
         self.held += nbytes
-        self.columns.append((tensor.data_ptr(), words, words))
+        return self._append(name, tensor, (tensor.data_ptr(), words, words))
+
+    def _append(self, name: str, tensor: torch.Tensor, column: tuple[int, int, int]) -> int:
+        self.columns.append(column)
         self.tensors.append(tensor)
         self.versions.append(None if tensor.is_inference() else tensor._version)
         self.names.append(name)

@@ -78,7 +78,7 @@ def batch_requests(call: ProbeCall) -> list[BatchRequest]:
 
 def column_ranges(columns: list[int]) -> str:
     """``[0, 1, 2, 5, 6]`` → ``"0-2,5-6"`` (how notes name original cache columns)."""
-    if len(columns) > 1 and columns == list(range(columns[0], columns[-1] + 1)):
+    if len(columns) > 1 and one_run(columns):
         return f"{columns[0]}-{columns[-1]}"  # one run: no per-column loop
     parts, start = [], None
     for i, c in enumerate(columns):
@@ -167,7 +167,7 @@ def live_columns(mask: torch.Tensor | None, is_causal: bool, requests: list[Batc
             else np.ones((q_len, kv_len), dtype=bool)
         seen = seen[None]
     else:
-        rows = mask[:, 0] if mask.dim() == 4 else mask
+        rows = mask[:, 0] if mask.dim() == 4 else mask[:, None] if mask.dim() == 2 else mask
         if rows.dtype != torch.bool:
             rows = rows > torch.finfo(rows.dtype).min / 2
         seen = rows.expand(rows.shape[0], q_len, kv_len).cpu().numpy()

@@ -36,11 +36,10 @@ from enginetap.engines.hf.probes.common import (
     PAD_NOTE,
     batch_requests,
     column_ranges,
-    end_aligned,
     fill_pages,
     instantiate,
+    live_columns,
     pack_pages,
-    visible_columns,
 )
 
 __all__ = ["MLA_PROBES", "TOLERANCE", "absorbed_query", "check_against_engine", "latent_cache",
@@ -135,14 +134,9 @@ def _adapt(call: ProbeCall) -> Extracted | None:
     module, a = call.instance, call.args
     requests = batch_requests(call)
     ckv_all, kpe_all = latent_cache(call)
-    mask = a["attention_mask"]
-    live = []
-    for r in requests:
-        seen = visible_columns(mask, False, r.batch_row, 1, ckv_all.shape[1])
-        columns, ok = end_aligned(seen, r.columns)
-        if not ok:
-            return None
-        live.append(columns)
+    live, ok = live_columns(a["attention_mask"], False, requests, 1, ckv_all.shape[1])
+    if not ok:
+        return None
     rows = [r.batch_row for r in requests]
     _, q_nope, q_pe = absorbed_query(module, a["hidden_states"], a["position_embeddings"])
     q_nope, q_pe = q_nope[rows, :, 0], q_pe[rows, :, 0]
