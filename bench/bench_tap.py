@@ -12,8 +12,8 @@ engine does). Variants, interleaved round by round so that machine noise hits al
   records exactly the checkpoints the seed approach records; on a GPU its checkpoints are
   deferred (hashed in place at step end, one kernel);
 - ``tap-inline``: ``tap`` with its records written at step end, after the transfer (by
-  default a GPU run writes a step's record at the next step's end, before its transfer,
-  while the device is still busy);
+  default a GPU run writes a step's record during the next step, once its forward is
+  queued: the loop announces the device wait as the built-in engine does);
 - ``tap-gather``: the same with ``defer=False`` (one gather launch per checkpoint);
 - ``tap+points``: the tap as armed by default (KV/state continuity and sampler too);
 - ``seed-002``: per checkpoint copy the tapped rows, weighted int64 row sums, keep the
@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from enginetap.core.context import Step, StepRows, publish, subscribe, unsubscribe
+from enginetap.core.context import (Step, StepRows, device_wait, publish, subscribe,
+                                    unsubscribe)
 from enginetap.core.jsonl import close_all
 from enginetap.core.patching import PatchSet
 from enginetap.core.scope import sublayer_targets
@@ -49,9 +50,10 @@ def build(args: argparse.Namespace) -> Any:
 
     dtype = getattr(torch, args.dtype)
     if args.hidden:
+        heads = max(1, args.hidden // 128)  # head dim 128; small widths for host diagnostics
         config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 27 // 10,
-                             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
-                             num_key_value_heads=8, vocab_size=32000,
+                             num_hidden_layers=args.layers, num_attention_heads=heads,
+                             num_key_value_heads=min(8, heads), vocab_size=32000,
                              max_position_embeddings=4096)
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -106,6 +108,8 @@ class Loop:
             step.sampled = {f"q{i}": 0 for i in range(b)}
             self.launched = CLOCK() - start  # host done launching the forward
             self.launched_cpu = time.thread_time() - cpu
+            if torch.cuda.is_available():  # as the built-in engine announces it
+                device_wait()
             if events:
                 events[1].record()
         if events:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_tap as bt  # noqa: E402
 
 from enginetap.tap.recorder import TapRecorder  # noqa: E402
-from enginetap.tap.sink import RecordSink  # noqa: E402
+from enginetap.core.sink import RecordSink  # noqa: E402
 
 CHECKPOINT = TapRecorder.checkpoint
 IDLE_WRITER = RecordSink._idle_writer

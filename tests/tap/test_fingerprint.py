@@ -77,49 +77,6 @@ def test_staged_hashes_on_cuda_equal_the_cpu_reference() -> None:
     assert torch.equal(got[1], hash_rows(x[:, :7].float()[index]))
 
 
-def test_the_deferred_sink_writes_at_the_next_pump_in_order(tmp_path) -> None:
-    import json
-    import time
-
-    from enginetap.core.jsonl import RankJsonl
-    from enginetap.tap.sink import IDLE_S, RecordSink
-
-    path = tmp_path / "t-rank0.jsonl"
-
-    def written() -> list[int]:
-        return [json.loads(line)["i"] for line in path.read_text().splitlines()] \
-            if path.exists() else []
-
-    sink = RecordSink(RankJsonl(tmp_path / "t.jsonl", 0), deferred=True)
-    sink.submit(lambda: {"i": 0}, 0)
-    assert written() == [] and sink.pending == 1  # waits for the next step's pump
-    sink.submit(lambda: {"i": 1}, 1)
-    sink.pump()
-    assert written() == [0, 1] and sink.pending == 0
-    for i in range(2, 50):
-        sink.submit(lambda i=i: {"i": i}, i)
-        if i % 7 == 0:
-            sink.pump()
-    sink.drain()
-    assert written() == list(range(50))
-    sink.submit(lambda: {"i": 50}, 50)  # no next step comes: the idle writer writes it
-    deadline = time.monotonic() + 20 * IDLE_S
-    while sink.pending and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert written() == list(range(51))
-    sink.close()
-
-
-def test_the_inline_sink_writes_at_once(tmp_path) -> None:
-    from enginetap.core.jsonl import RankJsonl
-    from enginetap.tap.sink import RecordSink
-
-    sink = RecordSink(RankJsonl(tmp_path / "t.jsonl", 0), deferred=False)
-    sink.submit(lambda: {"i": 0}, 0)
-    assert sink.pending == 0 and (tmp_path / "t-rank0.jsonl").read_text().count("\n") == 1
-    sink.close()
-
-
 def test_per_request_slots_give_each_row_its_requests_hash() -> None:
     staging = StepStaging(3, torch.device("cpu"))
     staging.reset(3, inverse=torch.tensor([0, 0, 1]))  # rows 0, 1 of request 0; row 2 of 1

@@ -109,3 +109,38 @@ def test_the_request_filter_and_row_cap_narrow_the_tapped_rows(record: Recorder)
     assert [r["pos"] for r in steps[0].rows] == [prompt_length - 2, prompt_length - 1]
     assert all(len(s.rows) == 1 for s in steps[1:])
     assert run.header["options"]["request_filter"] == "r3"
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_failing_tap_wrapper_is_reported_once_and_the_engine_call_goes_on(
+        record: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        where: str) -> None:
+    """The sublayer wrapper contains its own errors (it runs without the patch layer's
+    containment): a checkpoint that raises, at a layer's input (before the call) or a
+    sublayer's output (after it), costs no token and no second call of the module."""
+    import logging
+
+    from enginetap.tap.recorder import TapRecorder
+
+    broken = "L1.in" if where == "before" else "L1.mlp.out"
+    checkpoint = TapRecorder.checkpoint
+    failed: list[TapRecorder] = []
+
+    def faulty(self: TapRecorder, name: str, tensor: object) -> None:
+        if name == broken:
+            failed.append(self)
+            raise RuntimeError(f"injected fault at {name}")
+        checkpoint(self, name, tensor)
+
+    monkeypatch.setattr(TapRecorder, "checkpoint", faulty)
+    reqs = requests(PROMPTS[:3], max_new_tokens=4)
+    with caplog.at_level(logging.ERROR, logger="enginetap.tap"):
+        armed, run = record("llama", reqs)
+    engine = HFEngine.from_builtin("llama", prefix_cache_size=0)
+    assert [c.output_ids for c in engine.generate(reqs)] == armed
+    assert len(failed) == 4 and failed[0].failures == 4  # one per step, each contained
+    logged = [r for r in caplog.records if "tap wrapper failed" in r.getMessage()]
+    assert len(logged) == 1 and "injected fault" in logged[0].getMessage()
+    steps = run.rank(0).steps
+    assert len(steps) == 4 and all(broken not in s.checkpoints for s in steps)
+    assert all({"L0.out", "norm.out"} <= set(s.checkpoints) for s in steps)  # the rest

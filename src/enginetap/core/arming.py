@@ -71,6 +71,7 @@ def install_step(context: ArmContext) -> InstallResult:
     if options.record:
         recorder = StepRecorder(context.out_dir, context.rank, context.config.request_filter)
         parts.append(recorder.install())
+        context.notes["step_recorder"] = recorder
         what += f" (recording to {recorder.path})"
     context.notes["steps"] = True
     return InstalledGroup(parts), what

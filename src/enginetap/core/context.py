@@ -14,8 +14,12 @@ A step ends after the engine sampled its tokens (both engines): end listeners se
 ``Step.sampled``. :meth:`Step.device_rows` gives the row metadata as device tensors, built
 once per step on first use, so GPU consumers never pay a host sync each.
 
-Capture, tap and guard code reads :func:`current_step` and subscribes to step begin/end;
-it never asks which engine it runs in.
+Where a GPU runs the model, an adapter also announces :func:`device_wait` inside the step:
+the forward is queued and the host is about to block for its result, so listeners can do
+host work there for free (the records of the step before).
+
+Capture, tap and guard code reads :func:`current_step` and subscribes to step begin/end
+(and wait); it never asks which engine it runs in.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ logger = logging.getLogger("enginetap.context")
 
 Mode = Literal["prefill", "decode", "mixed"]
 
-__all__ = ["Mode", "Step", "StepRows", "abandon", "current_step", "publish", "step_number",
-           "subscribe", "unsubscribe"]
+__all__ = ["Mode", "Step", "StepRows", "abandon", "current_step", "device_wait", "publish",
+           "step_number", "subscribe", "unsubscribe"]
 
 _ROW_COLUMNS = ("positions", "token_ids", "query_start", "computed_host", "computed_device",
                 "kv_slots", "state_slots", "token_index", "request_keys", "planned_tokens",
@@ -176,6 +180,7 @@ class _Context:
     last: int = -1
     on_begin: list[Listener] = field(default_factory=list)
     on_end: list[Listener] = field(default_factory=list)
+    on_wait: list[Listener] = field(default_factory=list)
 
 
 _CTX = _Context()
@@ -191,15 +196,31 @@ def step_number() -> int:
     return _CTX.step.step if _CTX.step is not None else _CTX.last
 
 
-def subscribe(on_begin: Listener | None = None, on_end: Listener | None = None) -> None:
+def subscribe(on_begin: Listener | None = None, on_end: Listener | None = None,
+              on_wait: Listener | None = None) -> None:
+    """Call ``on_begin`` / ``on_end`` with every published step as it begins / ends, and
+    ``on_wait`` where the engine announces :func:`device_wait` in a step."""
     if on_begin is not None:
         _CTX.on_begin.append(on_begin)
     if on_end is not None:
         _CTX.on_end.append(on_end)
+    if on_wait is not None:
+        _CTX.on_wait.append(on_wait)
+
+
+def device_wait() -> None:
+    """Announced by an engine adapter inside a published step, once the step's forward is
+    queued on the device and before the host blocks for its result (the sampled tokens):
+    host work its listeners do here overlaps the device's work instead of lengthening the
+    step (writing the previous step's records). Engines whose host never waits for a
+    device (a CPU engine) do not announce it; listeners must not rely on it coming."""
+    step = _CTX.step
+    if _CTX.on_wait and step is not None:
+        _notify(_CTX.on_wait, step)
 
 
 def unsubscribe(listener: Listener) -> None:
-    for bucket in (_CTX.on_begin, _CTX.on_end):
+    for bucket in (_CTX.on_begin, _CTX.on_end, _CTX.on_wait):
         while listener in bucket:
             bucket.remove(listener)
 
@@ -260,3 +281,4 @@ def reset() -> None:
     _CTX.last = -1
     _CTX.on_begin.clear()
     _CTX.on_end.clear()
+    _CTX.on_wait.clear()

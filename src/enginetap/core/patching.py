@@ -17,6 +17,12 @@ Wrappers have wrapt's signature ``(wrapped, instance, args, kwargs)``. Errors ra
 wrapper are contained: they are recorded on the patch and logged once, and the original
 is called (or its result returned, if the wrapper already called it). Exceptions raised
 by the original itself propagate unchanged: they are the engine's, not ours.
+
+That containment is a layer of Python calls around every wrapper call. A wrapper on a
+path called hundreds of times per step (the tap's sublayer wrapper) can contain its own
+errors instead and be marked with :func:`contained`: it is then installed as it is. Such
+a wrapper must call the original exactly once, let the original's exceptions through,
+and catch and report everything of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +49,17 @@ logger = logging.getLogger("enginetap.patching")
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 
 __all__ = ["Gate", "Patch", "PatchSet", "ReachesCaller", "ResolveError", "Target",
-           "WrapperError", "bind_arguments", "call_signature", "lookup_raw", "resolve"]
+           "WrapperError", "bind_arguments", "call_signature", "contained", "lookup_raw",
+           "resolve"]
+
+_CONTAINED = "__enginetap_contained__"
+
+
+def contained(wrapper: Wrapper) -> Wrapper:
+    """Mark ``wrapper`` as containing its own errors (see the module docstring): a patch
+    installs it without the containment layer. Returns ``wrapper``."""
+    setattr(wrapper, _CONTAINED, True)
+    return wrapper
 
 
 class ReachesCaller(Exception):
@@ -312,8 +328,9 @@ class Patch:
         if not (callable(original) or isinstance(original, (staticmethod, classmethod))):
             raise PatchError(f"cannot patch {self.target}", f"{original!r} is not callable")
         enabled = None if self.gate is None else self.gate.check
+        wrapper = self.wrapper if getattr(self.wrapper, _CONTAINED, False) else self._call
         setattr(owner, self.target.attribute,
-                wrapt.FunctionWrapper(original, self._call, enabled=enabled))
+                wrapt.FunctionWrapper(original, wrapper, enabled=enabled))
         self._owner, self._original, self._owned = owner, original, owned
         self._state = "installed"
 

@@ -5,6 +5,15 @@ adapter published as real, and it lets anyone outside the engine's processes (a 
 a user) check the step context. Lines go through the one per-rank writer
 (:mod:`enginetap.core.jsonl`) and its durability rule. ``enginetap vllm merge`` joins the ranks.
 Engine-independent: every engine adapter's published steps look alike here.
+
+When a step ends the line is written at once, unless the engine announces
+:func:`~enginetap.core.context.device_wait` (a GPU engine): from the first announcement on,
+a step's line is written at the next step's wait, while the device runs that step's
+forward (a record sink, :mod:`enginetap.core.sink`). A decode step's line costs about
+100 us of the engine thread's time right after a step on the H200 host (BENCHMARKS.md);
+there it costs the step nothing while the host is ahead of the device. The last line
+follows within :data:`~enginetap.core.sink.IDLE_S` (or at disarm and exit); a process
+killed outright can lose the line of its last step, never a torn one.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from pathlib import Path
 from enginetap.core import context
 from enginetap.core.context import Step, StepRows
 from enginetap.core.jsonl import RankJsonl
+from enginetap.core.sink import RecordSink
 
 logger = logging.getLogger("enginetap.recorder")
 
@@ -34,21 +44,28 @@ class StepRecorder:
     def __init__(self, out_dir: Path, rank: int, request_filter: str = "") -> None:
         # fast: a step's record is ints and strings, written on the engine's thread
         self._writer = RankJsonl(Path(out_dir) / STEPS_FILE, rank, fast=True)
+        self._sink = RecordSink(self._writer, deferred=True, on_error=self._failed,
+                                name="enginetap-step-recorder")
         self.path = self._writer.path
         self.request_filter = request_filter
+        self.deferring = False
+        """Lines wait for the next step's device wait (the engine announced one)."""
 
     def install(self) -> StepRecorder:
-        """Start recording: subscribe to the end of every published step."""
-        context.subscribe(on_end=self.write)
+        """Start recording: subscribe to the end of every published step (and to the
+        engine's device waits, where the pending line is written)."""
+        context.subscribe(on_end=self.write, on_wait=self.pump)
         return self
 
     def uninstall(self) -> None:
-        """Stop recording and close the file."""
+        """Stop recording; write what is pending and close the file."""
         context.unsubscribe(self.write)
-        self._writer.close()
+        context.unsubscribe(self.pump)
+        self._sink.close()
 
     def write(self, step: Step) -> None:
-        """Append ``step`` (its matching rows) as one line and flush it.
+        """Append ``step`` (its matching rows) as one line, flushed: now, or at the next
+        device wait once the engine announces them.
 
         A write error (unwritable or full output directory) is logged once and recording
         stops; the engine goes on.
@@ -56,14 +73,31 @@ class StepRecorder:
         rows = filter_rows(step.rows, self.request_filter)
         if not len(rows):
             return
+        record = step if rows is step.rows else replace(step, rows=rows)
+        if self.deferring:
+            self._sink.submit(record.to_json, step.step)
+            return
         try:
-            self._writer.write((step if rows is step.rows else replace(step, rows=rows)
-                                ).to_json(), step=step.step)
+            self._writer.write(record.to_json(), step=step.step)
         except OSError as exc:
-            context.unsubscribe(self.write)
-            logger.error("enginetap: cannot write %s (%s); step recording stops, the engine "
-                         "goes on. Fix: point ENGINETAP_OUT / out_dir at a writable directory",
-                         self.path, exc)
+            self._failed(exc)
+
+    def pump(self, step: Step) -> None:
+        """The engine waits for the device in ``step``: write the lines still pending."""
+        self.deferring = True
+        self._sink.pump()
+
+    def _failed(self, exc: Exception) -> None:
+        if not isinstance(exc, OSError):
+            logger.error("enginetap: a step line was not written (%r); recording goes on",
+                         exc)
+            return
+        context.unsubscribe(self.write)
+        context.unsubscribe(self.pump)
+        self._sink.stop()
+        logger.error("enginetap: cannot write %s (%s); step recording stops, the engine "
+                     "goes on. Fix: point ENGINETAP_OUT / out_dir at a writable directory",
+                     self.path, exc)
 
 
 def filter_rows(rows: StepRows, request_filter: str) -> StepRows:

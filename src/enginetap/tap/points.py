@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from enginetap.core.patching import contained
 from enginetap.core.scope import SCOPE
 from enginetap.tap.recorder import TapRecorder
 
@@ -97,33 +98,44 @@ class CheckpointNames:
 
 
 def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
-    """The wrapper factory's product for every sublayer target."""
+    """The wrapper factory's product for every sublayer target. It runs hundreds of times
+    per step, so it contains its own errors (:func:`~enginetap.core.patching.contained`):
+    a failure is reported by the recorder and the engine's call goes on unchanged."""
     every_input = recorder.options.inputs == "all"
     continuity = recorder.options.continuity
     by_id = names._names
+    failed = recorder.wrapper_failed
 
+    @contained
     def tap_sublayer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         entry = by_id.get(id(instance)) if recorder.step is not None else None
         if entry is None:
             return wrapped(*args, **kwargs)
-        name, name_in, name_out, kind, is_layer = entry
-        states = continuity and kind == "gdn"
-        hidden = _hidden(args, kwargs) if (every_input or is_layer or states
-                                           or (continuity and kind == "attn")) else None
-        if every_input or is_layer:
-            recorder.checkpoint(name_in, hidden)
-        if states:
-            _state_points(recorder, name, instance, hidden, kwargs, "before")
+        try:
+            name, name_in, name_out, kind, is_layer = entry
+            states = continuity and kind == "gdn"
+            hidden = _hidden(args, kwargs) if (every_input or is_layer or states
+                                               or (continuity and kind == "attn")) else None
+            if every_input or is_layer:
+                recorder.checkpoint(name_in, hidden)
+            if states:
+                _state_points(recorder, name, instance, hidden, kwargs, "before")
+        except Exception as exc:
+            failed(exc)
+            return wrapped(*args, **kwargs)
         out = wrapped(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            recorder.checkpoint(name_out, out)
-        else:
-            for suffix, tensor in _outputs(out):
-                recorder.checkpoint(f"{name}.{suffix}", tensor)
-        if continuity and kind == "attn":
-            _kv_points(recorder, name, instance, hidden, kwargs)
-        elif states:
-            _state_points(recorder, name, instance, hidden, kwargs, "after")
+        try:
+            if isinstance(out, torch.Tensor):
+                recorder.checkpoint(name_out, out)
+            else:
+                for suffix, tensor in _outputs(out):
+                    recorder.checkpoint(f"{name}.{suffix}", tensor)
+            if continuity and kind == "attn":
+                _kv_points(recorder, name, instance, hidden, kwargs)
+            elif states:
+                _state_points(recorder, name, instance, hidden, kwargs, "after")
+        except Exception as exc:
+            failed(exc)
         return out
 
     return tap_sublayer

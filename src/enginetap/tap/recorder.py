@@ -5,7 +5,7 @@ bytes into the step's staging buffer (:mod:`enginetap.tap.fingerprint`), or, on 
 keeps the tensor to hash in place at step end (:mod:`enginetap.tap.deferred`); step end
 hashes them all and brings hashes and sampler values to the host in one transfer; the JSONL
 record is formatted and written off the step path where a GPU runs the model
-(:mod:`enginetap.tap.sink`). Outside a step (warm-up, dummy runs) every checkpoint is
+(:mod:`enginetap.core.sink`). Outside a step (warm-up, dummy runs) every checkpoint is
 a no-op.
 """
 
@@ -21,12 +21,12 @@ from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step, subscribe, unsubscribe
 from enginetap.core.jsonl import RankJsonl
 from enginetap.core.rowsplit import join_rows
+from enginetap.core.sink import RecordSink
 from enginetap.core.tensors import capturing
 from enginetap.tap.deferred import DeferredHashes
 from enginetap.tap.fingerprint import StepStaging, token_rows
 from enginetap.tap.options import TapOptions
 from enginetap.tap.rows import PrefixTracker, fill_late_lengths, row_records, select_rows
-from enginetap.tap.sink import RecordSink
 from enginetap.tap.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
@@ -46,12 +46,15 @@ class TapRecorder:
         self.context = context
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
-        self.sink = RecordSink(self.writer, deferred=torch.cuda.is_available())
+        self.sink = RecordSink(self.writer, deferred=torch.cuda.is_available(),
+                               name="enginetap-tap-sink")
         self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)
         self.filters = [options.request_filter, context.config.request_filter]
         self.prefixes = PrefixTracker()
         self.models: list[dict[str, Any]] = []
         self.refused: set[str] = set()
+        self.failures = 0
+        """Errors the tap's own wrappers caught (each call went on; the first is logged)."""
         self._header = False
         self.last_checkpoints = 0
         """Checkpoints recorded in the last step (benchmarks, logs)."""
@@ -93,12 +96,13 @@ class TapRecorder:
     # -- lifecycle -------------------------------------------------------------------
 
     def install(self) -> TapRecorder:
-        subscribe(on_begin=self.begin, on_end=self.end)
+        subscribe(on_begin=self.begin, on_end=self.end, on_wait=self.waiting)
         return self
 
     def uninstall(self) -> None:
         unsubscribe(self.begin)
         unsubscribe(self.end)
+        unsubscribe(self.waiting)
         self._clear()
         self._apply_flags()
         self.sink.close()
@@ -140,6 +144,19 @@ class TapRecorder:
         for deferred in self._deferred.values():
             if deferred is not None:
                 deferred.reset(step.mode, step.step)
+
+    def wrapper_failed(self, exc: Exception) -> None:
+        """A tap wrapper caught ``exc`` of its own (the engine's call went on): counted,
+        the first one logged with its traceback."""
+        self.failures += 1
+        if self.failures == 1:
+            logger.error("enginetap: a tap wrapper failed (the engine's call went on; later "
+                         "failures are counted, not logged): %r", exc, exc_info=exc)
+
+    def waiting(self, step: Step) -> None:
+        """The engine waits for the device in ``step``: write the last step's record
+        now rather than at this step's end (see :mod:`enginetap.core.sink`)."""
+        self.sink.pump()
 
     def _prepare(self) -> None:
         """Pick the step's tapped rows; no rows: the step records nothing."""
@@ -201,6 +218,10 @@ class TapRecorder:
         if self._forced or not (torch.compiler.is_compiling()
                                 or (self._cuda and torch.cuda.is_current_stream_capturing())):
             return True
+        self._refuse(name)
+        return False
+
+    def _refuse(self, name: str) -> None:
         if name not in self.refused:
             self.refused.add(name)
             logger.warning("tap: %s not recorded under torch.compile / CUDA-graph capture "
@@ -214,9 +235,15 @@ class TapRecorder:
         checkpoint, hundreds of times per step: the usual case (a contiguous tensor on a
         device whose checkpoints are deferred) is a few attribute reads and a kept
         reference, with no tensor object made; the rest takes :meth:`_checkpoint`."""
-        if self.step is None or not isinstance(tensor, torch.Tensor) or not self.allowed(name):
-            return  # allowed() first: under compile tracing nothing else may run here
-        deferred = self._fast.get(tensor.get_device()) if self._fast else None
+        if self.step is None or not isinstance(tensor, torch.Tensor):
+            return
+        # allowed() inlined; it comes first: under compile tracing nothing else may run here
+        if not self._forced and (torch.compiler.is_compiling() or (
+                self._cuda and torch.cuda.is_current_stream_capturing())):
+            self._refuse(name)
+            return
+        fast = self._fast
+        deferred = fast.get(tensor.get_device()) if fast else None
         if deferred is None or tensor.requires_grad or not tensor.is_contiguous():
             self._checkpoint(name, tensor)
             return
@@ -227,8 +254,12 @@ class TapRecorder:
                 and nbytes and not nbytes % (4 * padded) and not tensor.data_ptr() % 4):
             self._checkpoint(name, tensor)
             return
-        unique = name if name not in self.counts else self._unique(name)
-        self.counts.setdefault(name, 1)
+        counts = self.counts
+        if name in counts:
+            unique = self._unique(name)
+        else:
+            counts[name] = 1
+            unique = name
         slot = deferred.keep(unique, tensor, nbytes // padded // 4, nbytes)
         if slot >= 0 and not deferred.needs_check(unique):
             self.names.append((deferred.device, unique))

@@ -156,3 +156,32 @@ def test_runs_on_gpu_like_transformers() -> None:
         ref = engine.model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8,
                                     do_sample=False)
         assert ours == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_step_lines_are_written_during_the_next_steps_device_wait(tmp_path) -> None:
+    """The engine announces its device waits on CUDA: the step recorder writes each line
+    during the next step's wait, and disarm leaves every step's line on disk, in order,
+    with the tokens of a disarmed run."""
+    import json
+
+    from enginetap.config import ArmConfig
+    from enginetap.engines.hf.arming import disarm
+
+    prompts = greedy(random_prompts(43, (6, 14)))
+    plain = [c.output_ids for c in HFEngine.from_builtin(
+        "llama", device="cuda", prefix_cache_size=0).generate(prompts)]
+    config = ArmConfig(enabled=True, capabilities=[], out_dir=tmp_path)
+    try:
+        engine = HFEngine.from_builtin("llama", device="cuda", prefix_cache_size=0,
+                                       arm=config)
+        armed = [c.output_ids for c in engine.generate(prompts)]
+        assert engine.arming is not None and engine.arming.context is not None
+        assert engine.arming.context.notes["step_recorder"].deferring
+    finally:
+        disarm()
+    lines = [json.loads(line) for line in (tmp_path / "steps-rank0.jsonl").read_text()
+             .splitlines()]
+    assert armed == plain
+    assert [line["step"] for line in lines] == list(range(engine.steps))

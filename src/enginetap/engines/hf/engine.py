@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from enginetap.config import ArmConfig
-from enginetap.core.context import Mode, Step, publish
+from enginetap.core.context import Mode, Step, device_wait, publish
 from enginetap.engines.hf.arming import arm as arm_process
 from enginetap.engines.hf.batch import (Plan, Sequence, fill_valid_lengths, plan_decode,
                                         plan_prefill, read_valid_lengths)
@@ -190,6 +190,8 @@ class HFEngine:
             cache = out.past_key_values
             if mode == "prefill":
                 self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
+            if self.device.type == "cuda":  # sampling blocks for the forward: listeners'
+                device_wait()              # host work (last step's records) overlaps it
             alive, mask = self._advance(seqs, out.logits[:, -1, :], cache, plan.attention_mask)
             step.sampled = {s.request.request_id: s.output[-1] for s in seqs}
             if valid is not None:  # sampling waited for the device: the copy is done
