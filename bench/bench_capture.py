@@ -144,6 +144,78 @@ def _time_listeners() -> None:
     step_context._notify = notify
 
 
+PARTS: dict[str, dict[str, list[float]]] = {}
+"""``--recorder-parts``: by variant, seconds of each part of the step recorder's line on
+every decode step."""
+PART_OF = {"variant": "", "inside": False}
+
+
+def _time_recorder_parts() -> None:
+    """Time the parts of ``StepRecorder.write`` in place (diagnostic): the step as JSON
+    data, the line's encoding, taking the writers' lock, the ``write`` call, the whole."""
+    import os
+
+    from enginetap.core import jsonl
+    from enginetap.core import recorder as step_recorder
+    from enginetap.core.context import Step
+
+    def note(part: str, seconds: float) -> None:
+        PARTS.setdefault(PART_OF["variant"], {}).setdefault(part, []).append(seconds)
+
+    def timed(part: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not PART_OF["inside"]:
+                return function(*args, **kwargs)
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                note(part, time.perf_counter() - began)
+        return call
+
+    def whole(method: Any, label: str) -> Any:
+        def call(self: Any, step: Any) -> None:
+            PART_OF["inside"] = step.mode == "decode"
+            began = time.perf_counter()
+            try:
+                method(self, step)
+            finally:
+                if PART_OF["inside"]:
+                    note(label, time.perf_counter() - began)
+                PART_OF["inside"] = False
+        call.__qualname__ = method.__qualname__  # the listener table's name stays the same
+        return call
+
+    class TimedLock:
+        def __init__(self, lock: Any) -> None:
+            self.lock = lock
+
+        def __enter__(self) -> Any:
+            began = time.perf_counter()
+            got = self.lock.__enter__()
+            if PART_OF["inside"]:
+                note("lock", time.perf_counter() - began)
+            return got
+
+        def __exit__(self, *exc: Any) -> Any:
+            return self.lock.__exit__(*exc)
+
+    class TimedOs:
+        write = staticmethod(timed("os.write", os.write))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+    recorder = step_recorder.StepRecorder
+    recorder.write = whole(recorder.write, "at step end")  # type: ignore[method-assign]
+    # on a GPU the line is written during the next decode step's device wait
+    recorder.pump = whole(recorder.pump, "in the device wait")  # type: ignore[method-assign]
+    Step.to_json = timed("step.to_json", Step.to_json)  # type: ignore[method-assign]
+    jsonl.encode_line_bytes = timed("encode", jsonl.encode_line_bytes)
+    jsonl._LOCK = TimedLock(jsonl._LOCK)  # type: ignore[assignment]
+    jsonl.os = TimedOs()  # type: ignore[assignment]
+
+
 def calls_per_step(model: Any, requests: list[Request]) -> float:
     """Wrapper calls a decode step makes with every gate open (every decode step selected):
     the calls that, on an unselected step, pass a shut gate instead."""
@@ -297,6 +369,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 if variant == "selected, process writer":
                     policy, extra = EVERY_DECODE, {"writer": "process"}
                 HOLD["writer"] = variant == "selected, writer held"
+                PART_OF["variant"] = variant
                 out = Path(tmp) / f"{variant}-{round_}"
                 engine = HFEngine.from_loaded(
                     model, arm=_config(out, policy, **extra) if policy else None)
@@ -351,6 +424,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         print(f"step listeners on {variant} decode steps (median each): " + ", ".join(
             f"{name} {statistics.median(spent) * 1e6:.1f} us"
             for name, spent in each_s.get(variant, {}).items()))
+    PART_OF["variant"] = ""  # the runs below are not variants of the table
     table["unselected"]["gated_calls"] = calls_per_step(model, requests)
     table["unselected"]["gated_call_us"] = gated_call_seconds(args.device) * 1e6
     first = tokens["disarmed"][0]
@@ -519,6 +593,9 @@ def main() -> None:
                         help="add a variant 'selected, process writer': the dataset work in "
                              "a child process that maps a shared ring (options.capture.writer "
                              "= process)")
+    parser.add_argument("--recorder-parts", action="store_true",
+                        help="diagnostic: time the parts of the core step recorder's line "
+                             "(JSON data, encoding, lock, write) on every armed decode step")
     parser.add_argument("--switch-variants", default="",
                         help="diagnostic: comma-separated switch intervals in seconds (e.g. "
                              "0.0001,0.002), each a 'selected' variant whose writer lowers the "
@@ -541,6 +618,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     _time_listeners()
+    if args.recorder_parts:
+        _time_recorder_parts()
     table = measure(args)
     for variant, row in table.items():
         print(f"{variant:>14}: decode step {row['median_ms']:.3f} ms  ratio {row['ratio']:.3f}"
@@ -564,7 +643,13 @@ def main() -> None:
     # decode steps only (a prefill's step record is far longer), listener by listener
     each = table["unselected"].get("each_us", {})
     listeners = {n: us for n, us in each.items() if n.startswith("CaptureRuntime.")}
-    recorder = sum(us for n, us in each.items() if n.startswith("StepRecorder."))
+    # at step end; its device-wait part (pump) overlaps the device's work on a GPU
+    recorder = sum(us for n, us in each.items() if n == "StepRecorder.write")
+    waiting = {n: us for n, us in each.items() if n.endswith((".pump", ".waiting"))}
+    if waiting:
+        print("listeners during the decode step's device wait (median, overlapping the "
+              "device's work while the host is ahead): " + ", ".join(
+                  f"{n} {us:.1f} us" for n, us in waiting.items()))
     unselected = table["unselected"]
     gated = unselected["gated_calls"] * unselected["gated_call_us"]
     capture_us = sum(listeners.values()) + gated
@@ -577,6 +662,12 @@ def main() -> None:
               f" us = {capture_us / 1e3 / step_ms:.2%} of the {label} decode step "
               f"({step_ms:.2f} ms); with the core's step recorder ({recorder:.1f} us, on "
               f"whenever enginetap is armed) {(capture_us + recorder) / 1e3 / step_ms:.2%}")
+    for variant, parts in PARTS.items():
+        if variant:
+                print(f"step recorder on {variant} decode steps (median us): " + ", ".join(
+                f"{part} {statistics.median(spent) * 1e6:.1f} (p90 "
+                f"{sorted(spent)[int(len(spent) * 0.9)] * 1e6:.1f})"
+                for part, spent in parts.items()))
     if args.profile:
         profile_selected(args)
     ours, plain = writer_throughput(args.writer_workloads, 64, 4096)
