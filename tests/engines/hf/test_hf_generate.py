@@ -172,7 +172,7 @@ def test_on_a_gpu_step_lines_are_written_during_the_next_steps_device_wait(tmp_p
     prompts = greedy(random_prompts(43, (6, 14)))
     plain = [c.output_ids for c in HFEngine.from_builtin(
         "llama", device="cuda", prefix_cache_size=0).generate(prompts)]
-    config = ArmConfig(enabled=True, capabilities=[], out_dir=tmp_path)
+    config = ArmConfig(enabled=True, capabilities=["step"], out_dir=tmp_path)
     try:
         engine = HFEngine.from_builtin("llama", device="cuda", prefix_cache_size=0,
                                        arm=config)
