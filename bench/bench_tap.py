@@ -16,6 +16,8 @@ engine does). Variants, interleaved round by round so that machine noise hits al
   queued: the loop announces the device wait as the built-in engine does);
 - ``tap-gather``: the same with ``defer=False`` (one gather launch per checkpoint);
 - ``tap+points``: the tap as armed by default (KV/state continuity and sampler too);
+- ``tap-layers``: ``tap`` with ``depth="layers"`` (decoder layers' input and output only:
+  fewer checkpoints than the seed approach records, so it is not in the seed/tap ratio);
 - ``seed-002``: per checkpoint copy the tapped rows, weighted int64 row sums, keep the
   result; at step end stack and one transfer (the approach of seed 002, written here).
 
@@ -303,6 +305,10 @@ def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
                                                              "sampler": False,
                                                              "defer": False}),
             "tap+points": TapVariant(model, out / "full", {"max_rows": rows}),
+            "tap-layers": TapVariant(model, out / "layers", {"max_rows": rows,
+                                                             "continuity": False,
+                                                             "sampler": False,
+                                                             "depth": "layers"}),
             "seed-002": SeedStyle(model, rows)}
 
 

@@ -83,6 +83,7 @@ def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args,message", [
     (["--engine", "sglang"], "unknown engine 'sglang'"),
     (["--engine", "builtin", "--tp", "2"], "--tp needs --engine vllm"),
+    (["--depth", "sublayer"], "unknown depth 'sublayer'"),
 ])
 def test_tap_run_refuses_an_engine_it_cannot_run(tmp_path: Path, args: list[str],
                                                  message: str) -> None:
@@ -95,3 +96,13 @@ def test_tap_run_refuses_an_engine_it_cannot_run(tmp_path: Path, args: list[str]
                                     "builtin:short", "--out", str(tmp_path / "run"), *args])
     assert isinstance(done.exception, ConfigError) and message in str(done.exception)
     assert not (tmp_path / "run").exists()
+
+
+def test_every_sublayers_input_needs_sublayer_depth() -> None:
+    from pydantic import ValidationError
+
+    from enginetap.tap.options import TapOptions
+
+    with pytest.raises(ValidationError, match="needs depth='sublayers'"):
+        TapOptions(depth="layers", inputs="all")
+    assert TapOptions(depth="layers").inputs == "layers"

@@ -8,6 +8,7 @@ row between steps.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -30,15 +31,20 @@ def _row_of(key: str) -> int:
     return step.rows.token_index[step.rows.rows_of_key(key)[-1]]
 
 
-@pytest.mark.parametrize("model,target,layer,checkpoint,agrees", [
-    ("llama", "transformers.models.llama.modeling_llama:LlamaMLP.forward", "mlp",
-     "L1.mlp.out", "L1.post_norm.out"),
+MLP = "transformers.models.llama.modeling_llama:LlamaMLP.forward"
+
+
+@pytest.mark.parametrize("model,target,layer,checkpoint,agrees,options", [
+    ("llama", MLP, "mlp", "L1.mlp.out", "L1.post_norm.out", {}),
     ("qwen3_next", "transformers.models.qwen3_next.modeling_qwen3_next:"
-     "Qwen3NextGatedDeltaNet.forward", "linear_attn", "L1.gdn.out", "L1.gdn.conv_before"),
-])
+     "Qwen3NextGatedDeltaNet.forward", "linear_attn", "L1.gdn.out", "L1.gdn.conv_before", {}),
+    # depth="layers": no sublayer checkpoint, the fault is named at its decoder layer
+    ("llama", MLP, "mlp", "L1.out", "L1.in", {"depth": "layers"}),
+], ids=["llama-mlp", "qwen3_next-gdn", "llama-mlp-layers-only"])
 def test_a_corrupted_row_is_named_by_the_pair_analysis(record: Recorder, model: str,
                                                        target: str, layer: str,
-                                                       checkpoint: str, agrees: str) -> None:
+                                                       checkpoint: str, agrees: str,
+                                                       options: dict[str, Any]) -> None:
     fault_step = 2
     victim: dict[str, Any] = {}
 
@@ -60,9 +66,13 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis(record: Recorder, model: 
     faults.add(target, corrupt)
     with faults, pytest.MonkeyPatch.context() as mp:
         mp.setattr(HFEngine, "__init__", remember)
-        _, run = record(model, requests(SAME))
+        _, run = record(model, requests(SAME), **options)
     pairs = {p.keys: p for p in find_pairs(run.rank(0))}
     pair = pairs[("r0", "r1")]
+    if options.get("depth") == "layers":  # layers' in/out and the KV points, nothing else
+        names = {n.split("#")[0] for step in run.rank(0).steps for n in step.checkpoints}
+        assert names and all(re.fullmatch(r"L\d+\.(in|out|attn\.kv_written|attn\.kv_prev)", n)
+                             for n in names), sorted(names)
     assert pair.rows_compared >= fault_step + 1
     assert (pair.first_step, pair.checkpoint, pair.agreeing_input) == (fault_step, checkpoint,
                                                                        agrees)

@@ -144,3 +144,20 @@ def test_a_failing_tap_wrapper_is_reported_once_and_the_engine_call_goes_on(
     steps = run.rank(0).steps
     assert len(steps) == 4 and all(broken not in s.checkpoints for s in steps)
     assert all({"L0.out", "norm.out"} <= set(s.checkpoints) for s in steps)  # the rest
+
+
+def test_a_layers_only_run_diffs_cleanly_against_a_sublayers_run(tmp_path: Path) -> None:
+    """``--depth layers`` records decoder layers only; the same prompts recorded with
+    every sublayer agree with it on every checkpoint both have."""
+    cli = CliRunner()
+    for depth in ("layers", "sublayers"):
+        done = cli.invoke(app, ["tap", "run", "--model", "builtin:llama", "--prompts",
+                                "builtin:pairs", "--max-new-tokens", "3", "--depth", depth,
+                                "--out", str(tmp_path / depth)])
+        assert done.exit_code == 0, done.output
+    layers, sublayers = load_run(tmp_path / "layers"), load_run(tmp_path / "sublayers")
+    only = set(layers.rank(0).steps[0].checkpoints)
+    every = set(sublayers.rank(0).steps[0].checkpoints)
+    assert {"L0.in", "L0.out", "L1.out"} <= only < every and "L0.mlp.out" in every - only
+    (result,) = diff_runs(layers, sublayers)
+    assert result.rows_compared > 0 and not result.diverged

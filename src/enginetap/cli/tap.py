@@ -26,6 +26,9 @@ def run(
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vllm).")] = 1,
     dtype: Annotated[str, typer.Option(
         help="float32 or bfloat16 (builtin; vLLM takes the model's).")] = "float32",
+    depth: Annotated[str, typer.Option(
+        help="sublayers (every sublayer's output) or layers (decoder layers' input and "
+             "output only: about a third of the checkpoints).")] = "sublayers",
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
     from enginetap.tap.run import load_prompts, record_run, record_vllm_run
@@ -39,8 +42,11 @@ def run(
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"unknown dtype {dtype!r}", "the built-in engine runs float32 or "
                           "bfloat16", "pass --dtype float32 or --dtype bfloat16")
+    if depth not in ("sublayers", "layers"):
+        raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
+                          "pass --depth sublayers or --depth layers")
     texts = load_prompts(prompts)
-    tap = {"max_rows": max_rows}
+    tap = {"max_rows": max_rows, "depth": depth}
     if engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, tap=tap, tp=tp)

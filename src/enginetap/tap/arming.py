@@ -31,6 +31,9 @@ class TapInstall:
         engine's kernel-level ``points`` (``(target, factory(recorder, names))``)."""
         self.recorder.model_loaded(model)
         self.names.add_model(model)
+        if self.recorder.options.depth == "layers":
+            targets = self.names.layer_targets(model, targets,
+                                               kernel_points=self.recorder.options.continuity)
         cls = type(model)
         own = f"{cls.__module__}:{cls.__qualname__}.forward"
         factories: dict[str, Callable[..., Any]] = dict.fromkeys(targets, sublayer_wrapper)

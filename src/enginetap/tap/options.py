@@ -19,6 +19,14 @@ class TapOptions(BaseModel):
     request_filter: str = ""
     """Only rows whose request key contains this substring are tapped ("" = every row);
     the arming config's ``request_filter`` applies as well."""
+    depth: Literal["sublayers", "layers"] = "sublayers"
+    """``sublayers``: every decoder layer's input and output and every sublayer's output
+    (norms, attention, MoE gate and experts, MLP...). ``layers``: decoder layers' input
+    and output only (plus the kernel-level points of ``continuity``): about a third of
+    the checkpoints and no call of ours in a sublayer, for a tap left on in production; it
+    names the first diverging (step, layer), and a second run with ``sublayers`` (or a
+    diff against one: runs are compared on the checkpoints both have) names the
+    sublayer."""
     inputs: Literal["layers", "all"] = "layers"
     """Record the input rows of decoder layers only, or of every sublayer (twice the
     checkpoints; names the culprit more precisely where untapped ops sit between
@@ -59,6 +67,9 @@ class TapOptions(BaseModel):
 
     @model_validator(mode="after")
     def _validate_vectors(self) -> TapOptions:
+        if self.depth == "layers" and self.inputs == "all":
+            raise ValueError("inputs='all' records every sublayer's input: it needs "
+                             "depth='sublayers' (or set inputs='layers')")
         if (self.vectors == "control") != bool(self.vector_control):
             raise ValueError("vectors='control' and vector_control (the control file's path) "
                              "go together")

@@ -89,6 +89,19 @@ class CheckpointNames:
             self._names[key] = ModuleNames((base, f"{base}.in", f"{base}.out", kind,
                                             bool(_LAYER.match(base))))
 
+    def layer_targets(self, model: Any, targets: list[str], kernel_points: bool) -> list[str]:
+        """Of ``targets`` (``"module:Class.forward"``), those whose class has a decoder
+        layer among ``model``'s modules, or (``kernel_points``) an attention or gated-delta
+        module, whose wrapper reads the built-in engine's caches: ``depth="layers"``."""
+        wanted = {"attn", "gdn"} if kernel_points else set()
+        keep = set()
+        for module in model.modules():
+            entry = self._names.get(id(module))
+            if entry is not None and (entry[4] or entry[3] in wanted):
+                cls = type(module)
+                keep.add(f"{cls.__module__}:{cls.__qualname__}.forward")
+        return [t for t in targets if t in keep]
+
     def get(self, module: Any) -> str | None:
         found = self._names.get(id(module))
         return None if found is None else found[0]
@@ -103,6 +116,7 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
     a failure is reported by the recorder and the engine's call goes on unchanged."""
     every_input = recorder.options.inputs == "all"
     continuity = recorder.options.continuity
+    layers_only = recorder.options.depth == "layers"
     by_id = names._names
     failed = recorder.wrapper_failed
 
@@ -125,7 +139,9 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
             return wrapped(*args, **kwargs)
         out = wrapped(*args, **kwargs)
         try:
-            if isinstance(out, torch.Tensor):
+            if layers_only and not is_layer:
+                pass  # a module of another layer class, wrapped for its kernel points
+            elif isinstance(out, torch.Tensor):
                 recorder.checkpoint(name_out, out)
             else:
                 for suffix, tensor in _outputs(out):
