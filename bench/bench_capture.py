@@ -429,6 +429,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for variant, spent in host_cpu.items():
         table[variant]["engine_cpu_ms"] = statistics.median(spent) * 1e3
         table[variant]["device_wait_ms"] = statistics.median(device_wait[variant]) * 1e3
+    for variant, flags in ahead.items():
+        if flags:
+            table[variant]["hidden_waits"] = (sum(flags), len(flags))
     if any(ahead.values()):
         print("device still running the decode step's forward after its device-wait "
               "listeners (their host work hidden): " + "; ".join(
@@ -660,14 +663,18 @@ def main() -> None:
     # decode steps only (a prefill's step record is far longer), listener by listener
     each = table["unselected"].get("each_us", {})
     listeners = {n: us for n, us in each.items() if n.startswith("CaptureRuntime.")}
-    # at step end; its device-wait part (pump) overlaps the device's work on a GPU
-    recorder = sum(us for n, us in each.items() if n == "StepRecorder.write")
+    # at step end, and (GPU) in the next step's device wait: free only where the device
+    # still runs the forward then (the host ahead), so both are counted
+    recorder = sum(us for n, us in each.items()
+                   if n in ("StepRecorder.write", "StepRecorder.pump"))
+    unselected = table["unselected"]
     waiting = {n: us for n, us in each.items() if n.endswith((".pump", ".waiting"))}
     if waiting:
-        print("listeners during the decode step's device wait (median, overlapping the "
-              "device's work while the host is ahead): " + ", ".join(
-                  f"{n} {us:.1f} us" for n, us in waiting.items()))
-    unselected = table["unselected"]
+        hidden, steps = unselected.get("hidden_waits", (0, 0))
+        print("unselected: listeners during the decode step's device wait (median): "
+              + ", ".join(f"{n} {us:.1f} us" for n, us in waiting.items())
+              + f"; the device still ran the forward after them in {hidden:.0f}/{steps} "
+                "steps (their work hidden there, counted below anyway)")
     gated = unselected["gated_calls"] * unselected["gated_call_us"]
     capture_us = sum(listeners.values()) + gated
     for label, step_ms in (("disarmed", table["disarmed"]["median_ms"]),
