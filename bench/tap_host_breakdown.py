@@ -8,14 +8,17 @@ diagnostic beside ``bench_tap.py``, whose model, decode loop and variants it reu
 Variants, rotated round by round in one process: ``disarmed``; ``scope`` (only the module
 scope's wrappers, which the tap arms under it); ``tap-empty`` (the tap armed, its
 recorder's ``checkpoint`` replaced by a function that returns at once: the wrappers'
-own cost); ``tap-nopoll`` (the tap without its record sink's idle-writer thread, to see
-whether a second Python thread costs the engine thread anything); ``tap`` (as armed,
-fingerprints only); ``seed-002``. Prints per variant the median decode step, the host
+own cost); ``tap-keep`` (the checkpoint only keeps each tensor alive until step end, as a
+deferred checkpoint does: what holding hundreds of activations costs the rest of the
+forward, e.g. the caching allocator's work); ``tap`` (as armed, fingerprints only);
+``seed-002``. (An earlier ``tap-nopoll``, without the record sink's idle-writer thread,
+showed no effect and was dropped.) Prints per variant the median decode step, the host
 time to launch the forward and the engine thread's own CPU time in it, the Python
-threads alive, and the host time per call of the recorder's ``checkpoint`` in the two
-full tap variants. The differences between consecutive lines are the cost of each layer:
-scope − disarmed the scope's wrappers, tap-empty − scope the tap's wrapper, tap −
-tap-empty the checkpoints themselves.
+threads alive, and the host time per call of the recorder's ``checkpoint`` in the full
+tap variant. The differences between consecutive lines are the cost of each layer:
+scope − disarmed the scope's wrappers (which the tap no longer runs), tap-empty − scope
+the tap's wrapper, tap-keep − tap-empty what keeping the tensors costs, tap − tap-empty
+the checkpoints themselves.
 
 To compare two versions of enginetap on one machine start, run it twice back to back
 with ``PYTHONPATH`` pointing at each tree's ``src``.
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_tap as bt  # noqa: E402
 
 from enginetap.tap.recorder import TapRecorder  # noqa: E402
+from enginetap.core.context import subscribe, unsubscribe  # noqa: E402
 from enginetap.core.sink import RecordSink  # noqa: E402
 
 CHECKPOINT = TapRecorder.checkpoint
@@ -63,10 +67,18 @@ class ScopeOnly(bt.TapVariant):
         self.arming.uninstall()
 
 
+KEPT: list[Any] = []
+"""The ``tap-keep`` variant's tensors of the current step."""
+
+
+def _release(step: Any) -> None:
+    KEPT.clear()
+
+
 class Altered(bt.TapVariant):
     """The tap with one part changed while it is installed (``what``: ``empty``, the
-    checkpoint returns at once; ``nopoll``, no idle-writer thread; ``timed``, the
-    checkpoint timed per call)."""
+    checkpoint returns at once; ``keep``, it only keeps the tensor until step end;
+    ``nopoll``, no idle-writer thread; ``timed``, the checkpoint timed per call)."""
 
     def __init__(self, model: Any, out: Path, options: dict[str, Any], what: str,
                  label: str) -> None:
@@ -76,6 +88,10 @@ class Altered(bt.TapVariant):
     def install(self) -> None:
         if self.what == "empty":
             TapRecorder.checkpoint = lambda self, name, tensor: None  # type: ignore[method-assign]
+        elif self.what == "keep":  # only what a deferred checkpoint holds: the tensor
+            TapRecorder.checkpoint = (  # type: ignore[method-assign]
+                lambda self, name, tensor: KEPT.append(tensor))
+            subscribe(on_end=_release)
         else:
             TapRecorder.checkpoint = self._timed()  # type: ignore[method-assign]
         if self.what == "nopoll":
@@ -86,6 +102,8 @@ class Altered(bt.TapVariant):
         try:
             super().uninstall()
         finally:
+            unsubscribe(_release)
+            KEPT.clear()
             TapRecorder.checkpoint = CHECKPOINT  # type: ignore[method-assign]
             RecordSink._idle_writer = IDLE_WRITER  # type: ignore[method-assign]
 
@@ -119,7 +137,7 @@ def main() -> None:
     variants: dict[str, Any] = {
         "disarmed": base["disarmed"], "scope": ScopeOnly(model, out / "scope", {}),
         "tap-empty": Altered(model, out / "empty", options, "empty", "tap-empty"),
-        "tap-nopoll": Altered(model, out / "nopoll", options, "nopoll", "tap-nopoll"),
+        "tap-keep": Altered(model, out / "keep", options, "keep", "tap-keep"),
         "tap": Altered(model, out / "tap", options, "timed", "tap"),
         "seed-002": base["seed-002"]}
     steps = args.rounds * len(variants) * (args.steps + 3) + 10
