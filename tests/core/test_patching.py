@@ -252,3 +252,23 @@ def test_a_shut_gate_calls_the_original_and_an_open_one_the_wrapper():
         assert seen == [norm]
     norm(x)  # uninstalled: the class holds the original again
     assert seen == [norm] and not hasattr(vars(llama.LlamaRMSNorm)["forward"], "__wrapped__")
+
+
+def test_a_contained_wrapper_is_installed_without_the_containment_layer():
+    """A wrapper marked ``contained`` handles its own errors: the patch installs it as it
+    is, so an error it lets out reaches the caller; an unmarked one is contained."""
+    from enginetap.core.patching import contained
+
+    norm, x = _norm()
+    expected = norm(x)
+
+    def broken(wrapped, instance, args, kwargs):
+        raise RuntimeError("the wrapper's own bug")
+
+    with PatchSet("plain", [Patch(RMS, broken)]) as patches:
+        assert torch.equal(norm(x), expected)  # contained: the original ran
+        assert len(patches.errors()) == 1
+    with PatchSet("marked", [Patch(RMS, contained(broken))]) as patches:
+        with pytest.raises(RuntimeError, match="own bug"):
+            norm(x)
+        assert patches.errors() == []

@@ -15,8 +15,9 @@ A step ends after the engine sampled its tokens (both engines): end listeners se
 once per step on first use, so GPU consumers never pay a host sync each.
 
 Where a GPU runs the model, an adapter also announces :func:`device_wait` inside the step:
-the forward is queued and the host is about to block for its result, so listeners can do
-host work there for free (the records of the step before).
+the forward is queued and the host is about to block for its result, so host work its
+listeners do there (the records of the step before) costs the step nothing while the
+host runs ahead of the device (and as much as anywhere when the step is host-bound).
 
 Capture, tap and guard code reads :func:`current_step` and subscribes to step begin/end
 (and wait); it never asks which engine it runs in.

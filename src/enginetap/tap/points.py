@@ -139,13 +139,12 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
             return wrapped(*args, **kwargs)
         out = wrapped(*args, **kwargs)
         try:
-            if layers_only and not is_layer:
-                pass  # a module of another layer class, wrapped for its kernel points
-            elif isinstance(out, torch.Tensor):
-                recorder.checkpoint(name_out, out)
-            else:
-                for suffix, tensor in _outputs(out):
-                    recorder.checkpoint(f"{name}.{suffix}", tensor)
+            if not layers_only or is_layer:  # else wrapped for its kernel points only
+                if isinstance(out, torch.Tensor):
+                    recorder.checkpoint(name_out, out)
+                else:
+                    for suffix, tensor in _outputs(out):
+                        recorder.checkpoint(f"{name}.{suffix}", tensor)
             if continuity and kind == "attn":
                 _kv_points(recorder, name, instance, hidden, kwargs)
             elif states:
