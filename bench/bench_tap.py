@@ -255,32 +255,11 @@ def inline(variant: TapVariant) -> TapVariant:
 HOOK_TIME: dict[str, list[float]] = {}
 
 
-def time_hooks() -> None:
-    """Host time of the recorder's step begin and end (both run while the device waits)."""
+def _time_methods(names: tuple[str, ...], into: dict[str, list[float]]) -> None:
+    """Wrap the recorder's methods ``names``: each call's host time goes to ``into``."""
     from enginetap.tap.recorder import TapRecorder
 
-    for name in ("begin", "end"):
-        original = getattr(TapRecorder, name)
-
-        def timed(self: Any, step: Any, _original: Any = original, _name: str = name) -> Any:
-            start = time.perf_counter()
-            try:
-                return _original(self, step)
-            finally:
-                HOOK_TIME.setdefault(_name, []).append(time.perf_counter() - start)
-
-        setattr(TapRecorder, name, timed)
-
-
-CHECKPOINT_TIME: dict[str, list[float]] = {}
-
-
-def time_checkpoints() -> None:
-    """Host time of each call of the recorder's checkpoint and of its graph-capture check
-    (summed per step in :meth:`Loop.decode`'s caller)."""
-    from enginetap.tap.recorder import TapRecorder
-
-    for name in ("checkpoint", "allowed"):
+    for name in names:
         original = getattr(TapRecorder, name)
 
         def timed(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
@@ -288,9 +267,23 @@ def time_checkpoints() -> None:
             try:
                 return _original(self, *args)
             finally:
-                CHECKPOINT_TIME.setdefault(_name, []).append(time.perf_counter() - start)
+                into.setdefault(_name, []).append(time.perf_counter() - start)
 
         setattr(TapRecorder, name, timed)
+
+
+def time_hooks() -> None:
+    """Host time of the recorder's step begin and end (both run while the device waits)."""
+    _time_methods(("begin", "end"), HOOK_TIME)
+
+
+CHECKPOINT_TIME: dict[str, list[float]] = {}
+
+
+def time_checkpoints() -> None:
+    """Host time per call of the recorder's checkpoint and of the graph-capture check it
+    makes first (``allowed``)."""
+    _time_methods(("checkpoint", "allowed"), CHECKPOINT_TIME)
 
 
 def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:

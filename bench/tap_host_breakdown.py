@@ -6,7 +6,7 @@ diagnostic beside ``bench_tap.py``, whose model, decode loop and variants it reu
     python bench/tap_host_breakdown.py                     # built-in tiny llama on the CPU
 
 Variants, rotated round by round in one process: ``disarmed``; ``scope`` (only the module
-scope's wrappers, which the tap arms under it); ``tap-empty`` (the tap armed, its
+scope's wrappers; the tap arms the scope but, since ``616de8b``, leaves them shut); ``tap-empty`` (the tap armed, its
 recorder's ``checkpoint`` replaced by a function that returns at once: the wrappers'
 own cost); ``tap-keep`` (the checkpoint only keeps each tensor alive until step end, as a
 deferred checkpoint does: what holding hundreds of activations costs the rest of the

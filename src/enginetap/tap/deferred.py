@@ -75,19 +75,15 @@ class DeferredHashes:
     held: int = 0
     hashed_bytes: int = 0
     """Bytes of tapped rows the last :meth:`hashes` read."""
-    verified: dict[str, dict[str, int]] = field(default_factory=dict)
-    """By step kind, then checkpoint name: the steps that verified the name."""
+    verified: dict[tuple[str, str], int] = field(default_factory=dict)
     demoted: dict[str, str] = field(default_factory=dict)
     """Checkpoint name → why it is staged from now on."""
-    _seen: dict[str, int] = field(default_factory=dict, repr=False)
-    """``verified`` of this step's kind."""
 
     def reset(self, mode: str = "", step: int = 1) -> None:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
         self.columns = []
         self.mode = mode
-        self._seen = self.verified.setdefault(mode, {})
         self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
 
@@ -109,10 +105,11 @@ class DeferredHashes:
         in full verification steps (it is then staged too)."""
         if self.full:
             return True
-        seen = self._seen.get(name, 0)
+        key = (self.mode, name)
+        seen = self.verified.get(key, 0)
         if seen >= self.verify + self.lag:
             return False
-        self._seen[name] = seen + 1
+        self.verified[key] = seen + 1
         return True
 
     def add(self, name: str, source: torch.Tensor) -> int:
@@ -131,12 +128,7 @@ class DeferredHashes:
         if name in self.demoted or self.held + nbytes > self.budget:
             return -1
         self.held += nbytes
-        # _append inlined: this runs for nearly every checkpoint of a GPU step
-        self.columns.append((tensor.data_ptr(), words, words))
-        self.tensors.append(tensor)
-        self.versions.append(None if tensor.is_inference() else tensor._version)
-        self.names.append(name)
-        return len(self.tensors) - 1
+        return self._append(name, tensor, (tensor.data_ptr(), words, words))
 
     def _append(self, name: str, tensor: torch.Tensor, column: tuple[int, int, int]) -> int:
         self.columns.append(column)

@@ -218,10 +218,6 @@ class TapRecorder:
         if self._forced or not (torch.compiler.is_compiling()
                                 or (self._cuda and torch.cuda.is_current_stream_capturing())):
             return True
-        self._refuse(name)
-        return False
-
-    def _refuse(self, name: str) -> None:
         if name not in self.refused:
             self.refused.add(name)
             logger.warning("tap: %s not recorded under torch.compile / CUDA-graph capture "
@@ -235,13 +231,8 @@ class TapRecorder:
         checkpoint, hundreds of times per step: the usual case (a contiguous tensor on a
         device whose checkpoints are deferred) is a few attribute reads and a kept
         reference, with no tensor object made; the rest takes :meth:`_checkpoint`."""
-        if self.step is None or not isinstance(tensor, torch.Tensor):
-            return
-        # allowed() inlined; it comes first: under compile tracing nothing else may run here
-        if not self._forced and (torch.compiler.is_compiling() or (
-                self._cuda and torch.cuda.is_current_stream_capturing())):
-            self._refuse(name)
-            return
+        if self.step is None or not isinstance(tensor, torch.Tensor) or not self.allowed(name):
+            return  # allowed() first: under compile tracing nothing else may run here
         fast = self._fast
         deferred = fast.get(tensor.get_device()) if fast else None
         if deferred is None or tensor.requires_grad or not tensor.is_contiguous():
@@ -254,12 +245,7 @@ class TapRecorder:
                 and nbytes and not nbytes % (4 * padded) and not tensor.data_ptr() % 4):
             self._checkpoint(name, tensor)
             return
-        counts = self.counts
-        if name in counts:
-            unique = self._unique(name)
-        else:
-            counts[name] = 1
-            unique = name
+        unique = self._unique(name)
         slot = deferred.keep(unique, tensor, nbytes // padded // 4, nbytes)
         if slot >= 0 and not deferred.needs_check(unique):
             self.names.append((deferred.device, unique))
@@ -283,8 +269,7 @@ class TapRecorder:
         if source is None:
             return
         device = source.device
-        unique = name if name not in self.counts else self._unique(name)
-        self.counts.setdefault(name, 1)
+        unique = self._unique(name)
         check, deferred = -1, None
         if self._defer:
             deferred = self._deferred.get(device, False)
