@@ -665,8 +665,7 @@ def main() -> None:
     listeners = {n: us for n, us in each.items() if n.startswith("CaptureRuntime.")}
     # at step end, and (GPU) in the next step's device wait: free only where the device
     # still runs the forward then (the host ahead), so both are counted
-    recorder = sum(us for n, us in each.items()
-                   if n in ("StepRecorder.write", "StepRecorder.pump"))
+    recorder = sum(us for n, us in each.items() if n.startswith("StepRecorder."))
     unselected = table["unselected"]
     waiting = {n: us for n, us in each.items() if n.endswith((".pump", ".waiting"))}
     if waiting:
@@ -688,7 +687,7 @@ def main() -> None:
               f"whenever enginetap is armed) {(capture_us + recorder) / 1e3 / step_ms:.2%}")
     for variant, parts in PARTS.items():
         if variant:
-                print(f"step recorder on {variant} decode steps (median us): " + ", ".join(
+            print(f"step recorder on {variant} decode steps (median us): " + ", ".join(
                 f"{part} {statistics.median(spent) * 1e6:.1f} (p90 "
                 f"{sorted(spent)[int(len(spent) * 0.9)] * 1e6:.1f})"
                 for part, spent in parts.items()))
