@@ -45,9 +45,10 @@ def test_identical_requests_never_split_and_nothing_is_discontinuous(record: Rec
                for i, s in enumerate(last.sampler))
 
 
-def test_armed_and_disarmed_tokens_are_identical(record: Recorder) -> None:
+@pytest.mark.parametrize("depth", ["sublayers", "layers"])
+def test_armed_and_disarmed_tokens_are_identical(record: Recorder, depth: str) -> None:
     reqs = requests(PROMPTS, max_new_tokens=6)
-    armed, run = record("qwen3_next", reqs, dtype=torch.bfloat16, max_rows=3)
+    armed, run = record("qwen3_next", reqs, dtype=torch.bfloat16, max_rows=3, depth=depth)
     assert all(len(s.rows) <= 3 for s in run.rank(0).steps)
     assert check_continuity(run.rank(0)) == []
     engine = HFEngine.from_builtin("qwen3_next", dtype=torch.bfloat16, prefix_cache_size=0)
