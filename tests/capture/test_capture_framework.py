@@ -363,11 +363,23 @@ def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
     assert replay_dataset(tmp_path / "ds", progress=False).ok
 
 
+def _reached(patch) -> bool:
+    """Whether a call through ``patch``'s class attribute meets its wrapper."""
+    found = vars(patch._owner).get(patch.target.attribute)
+    while found is not None:
+        if found is patch._installed_wrapper:
+            return True
+        found = getattr(found, "__wrapped__", None)
+    return False
+
+
 def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
-    """Outside selected steps the probes' and the module scope's gates are shut: wrapt
-    calls the engine's functions directly, so no wrapper of ours runs (the scope names
-    no module); on selected steps both run. With tap armed too the same: the tap takes
-    names from the scope's registry and never reads the running sublayer."""
+    """Outside selected steps the probes' and the module scope's gates are shut: their
+    patches on class methods are off the classes (the classes hold the engine's own
+    functions again), the rest are gated (wrapt calls the engine's function directly),
+    so no wrapper of ours runs (the scope names no module); on selected steps both run.
+    With tap armed too the same: the tap takes names from the scope's registry and never
+    reads the running sublayer (its wrappers, stacked on the scope's, pin those on)."""
     from enginetap.core.scope import current_module
 
     seen: dict[tuple[int, str], set[bool]] = {}
@@ -388,9 +400,17 @@ def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
         handles = [m.register_forward_pre_hook(spy) for m in engine.model.modules()
                    if type(m).__name__.endswith("MLP")]
         gates: list[tuple[str, bool]] = []
+        scope_patches = engine.arming.context.notes["scope"].gate._patches
+        ours = [*runtime.patches.patches, *scope_patches]
+        on_classes = [p for p in ours if isinstance(p._owner, type)]
+        assert len(on_classes) > len(scope_patches) >= 4
+        attached: list[tuple[str, list[bool], bool]] = []
 
         def gate_at_begin(step, runtime=runtime, gates=gates):  # after capture's listener
             gates.append((step.mode, runtime.gate.is_open))
+            held = [_reached(p) for p in on_classes]
+            attached.append((step.mode, held, all(p.attached == h
+                                                  for p, h in zip(on_classes, held))))
 
         subscribe(on_begin=gate_at_begin)
         try:
@@ -408,6 +428,12 @@ def test_unselected_steps_run_no_capture_or_scope_wrapper(tmp_path):
             else:
                 assert inside == {False}, (capabilities, mode)
         assert gates and all(is_open == (mode == "prefill") for mode, is_open in gates), gates
+        assert all(agree for _, _, agree in attached)
+        assert all(all(held) for mode, held, _ in attached if mode == "prefill")
+        if capabilities == ["capture"]:  # nothing stacked on them: all off their classes
+            assert not any(any(held) for mode, held, _ in attached if mode == "decode")
+        else:  # the scope's are pinned under the tap's wrappers
+            assert all(p.attached for p in scope_patches if isinstance(p._owner, type))
 
 
 @pytest.mark.parametrize("interval", [0.0005, 0.0])

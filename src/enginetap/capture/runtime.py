@@ -86,7 +86,7 @@ class CaptureRuntime:
                                      when_full=options.when_full, batch=options.batch,
                                      switch_interval_s=options.switch_interval_s)
         self.patches = PatchSet("capture")
-        self.gate = Gate(is_open=False)
+        self.gate = Gate(is_open=False, detach=True)
         """Open during selected steps only (set only through :meth:`_select`)."""
         scope = context_.notes.get("scope")
         self.scope: ScopeUse | None = scope if isinstance(scope, ScopeUse) else None

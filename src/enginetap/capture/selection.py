@@ -48,6 +48,9 @@ class Selector:
         self._middle, self._last = "middle" in picks, "last" in picks
         self._by_label: dict[str, frozenset[int]] = {}
         """Per request key with a label, its ``middle``/``last`` decode indices."""
+        self._keys: tuple[Step | None, list[str]] = (None, [])
+        """The step whose decoding request keys were last listed, and that list (made
+        once per step: at its beginning, reused at its end)."""
 
     def on_begin(self, step: Step) -> None:
         """Decide whether ``step`` is selected (a step listener). Runs on every step, so
@@ -58,7 +61,8 @@ class Selector:
             self.skipped_steps += 1
 
     def on_end(self, step: Step) -> None:
-        self.decode_index.update(self._decode_keys(step))  # each key once: +1 each
+        self.decode_index.update(self._keys_of(step))  # each key once: +1 each
+        self._keys = (None, [])
 
     def selected(self, step: Step) -> bool:
         return self.selected_step == step.step
@@ -66,7 +70,7 @@ class Selector:
     def _wanted(self, step: Step) -> bool:
         if step.mode != "decode" and self.policy.prefill:
             return True
-        keys = self._decode_keys(step)
+        keys = self._keys_of(step)
         at = list(map(self.decode_index.__getitem__, keys))
         if not self._numbered.isdisjoint(at):
             return True
@@ -81,6 +85,11 @@ class Selector:
                     if picks is not None:
                         by_label[key] = picks
         return any(i in by_label.get(key, ()) for key, i in zip(keys, at))
+
+    def _keys_of(self, step: Step) -> list[str]:
+        if self._keys[0] is not step:
+            self._keys = (step, self._decode_keys(step))
+        return self._keys[1]
 
     def _decode_keys(self, step: Step) -> list[str]:
         """Keys of the requests decoding in ``step`` (a mixed step names its prefills)."""

@@ -9,9 +9,19 @@ installed by a post-import hook, i.e. before any importer can take a private
 
 A patch may have a :class:`Gate`: while the gate is shut, wrapt calls the original
 directly (in C, without entering Python), so a capability that works only on some steps
-(capture's selected steps) costs a few hundred nanoseconds per call on the others instead
-of its wrapper's checks. The attribute itself never changes between steps: swapping it
-in and out would break other patches stacked on the same target.
+(capture's selected steps) costs about a microsecond per call on the others (wrapt's
+binding of the method and its C call) instead of its wrapper's checks.
+
+A gate made with ``detach=True`` goes further for methods of classes: while it is shut,
+the class holds the original again (the wrapper is put back when it opens), so the
+engine's calls on the other steps meet no wrapper at all. Several such patches on one
+attribute form a chain in install order; the class holds the wrapper of the highest one
+whose gate is open (those below it run gated). A swap is made only while the class
+holds exactly what the chain left there; once anything else touched the attribute (a
+patch without ``detach`` stacked on top, a library's own monkeypatch) the chain stays on
+for good, each wrapper gated as without ``detach``. Module-level functions are never
+detached: a ``from module import f`` taken while the original was back would keep it.
+Swaps happen in :meth:`Gate.set`, i.e. at step boundaries on the engine's thread.
 
 Wrappers have wrapt's signature ``(wrapped, instance, args, kwargs)``. Errors raised by a
 wrapper are contained: they are recorded on the patch and logged once, and the original
@@ -74,21 +84,39 @@ class Gate:
     """Open or shut for the patches given it; open when made.
 
     wrapt asks :attr:`check` on every call of a gated patch; it is built from C callables
-    (no Python frame); :meth:`set` is for step boundaries.
+    (no Python frame); :meth:`set` is for step boundaries. With ``detach`` the gate's
+    patches on class methods are also taken off their class while it is shut (see the
+    module docstring).
     """
 
-    __slots__ = ("_flag", "check")
+    __slots__ = ("_flag", "check", "detach", "_patches")
 
-    def __init__(self, is_open: bool = True) -> None:
-        self._flag = [is_open]
+    def __init__(self, is_open: bool = True, detach: bool = False) -> None:
+        self._flag = [bool(is_open)]
         self.check: Callable[[], bool] = functools.partial(operator.getitem, self._flag, 0)
+        self.detach = detach
+        self._patches: list[Patch] = []
+        """The installed patches that follow this gate on and off their class."""
 
     @property
     def is_open(self) -> bool:
         return self._flag[0]
 
     def set(self, is_open: bool) -> None:
+        is_open = bool(is_open)
+        if self._flag[0] is is_open:
+            return
         self._flag[0] = is_open
+        for patch in self._patches:
+            patch._follow()
+
+    def _join(self, patch: Patch) -> None:
+        if self.detach and patch not in self._patches:
+            self._patches.append(patch)
+
+    def _leave(self, patch: Patch) -> None:
+        if patch in self._patches:
+            self._patches.remove(patch)
 
 
 @dataclass(frozen=True)
@@ -213,6 +241,110 @@ def _raw_attribute(owner: Any, name: str) -> tuple[Any, bool]:
     return vars(owner)[name], True
 
 
+class _Chain:
+    """The ``detach`` patches stacked on one class attribute, in install order; each
+    one's wrapper wraps the one below it (the lowest wraps the engine's original).
+
+    The class holds the wrapper of the highest patch whose gate is open, or the original
+    when every gate is shut: the wrappers below it still run, each behind its own gate,
+    and those above it are off. Once anything else touched the attribute (a patch
+    without ``detach`` stacked on top, a replacement made by someone else) the chain is
+    ``pinned``: every wrapper stays on for good, gated as without ``detach``.
+    """
+
+    def __init__(self, owner: type, name: str) -> None:
+        self.owner, self.name = owner, name
+        self.patches: list[Patch] = []
+        self.pinned = False
+
+    def _held_level(self) -> int:
+        """How many of the chain's wrappers the class holds now; -1 for something else."""
+        held = vars(self.owner).get(self.name, _MISSING)
+        for level in range(len(self.patches), 0, -1):
+            if held is self.patches[level - 1]._installed_wrapper:
+                return level
+        bottom = self.patches[0]
+        return 0 if held is (bottom._original if bottom._owned else _MISSING) else -1
+
+    def _put(self, level: int) -> None:
+        if self._held_level() == level:
+            pass
+        elif level:
+            setattr(self.owner, self.name, self.patches[level - 1]._installed_wrapper)
+        elif self.patches[0]._owned:
+            setattr(self.owner, self.name, self.patches[0]._original)
+        else:
+            delattr(self.owner, self.name)
+        for i, patch in enumerate(self.patches):
+            patch._attached = i < level
+
+    def settle(self) -> None:
+        """Put on the class what the gates say (see the class docstring)."""
+        if not self.patches or self.pinned:
+            return
+        want = max((i + 1 for i, p in enumerate(self.patches) if p.gate.is_open), default=0)
+        held = self._held_level()
+        if held < 0:
+            self._rewrap()
+        elif held != want:
+            self._put(want)
+
+    def pin(self) -> None:
+        """Every wrapper on, for good (something is stacked on the chain)."""
+        if self.pinned:
+            return
+        if self._held_level() < 0:
+            self._rewrap()
+        else:
+            self._put(len(self.patches))
+        self.pinned = True
+
+    def _rewrap(self) -> None:
+        """The attribute was replaced by someone else: wrap the replacement with the
+        chain's wrappers again (uninstalling leaves the replacement) and pin."""
+        self.pinned = True
+        try:
+            original, owned = _raw_attribute(self.owner, self.name)
+        except AttributeError:  # deleted: nothing left to wrap
+            logger.warning("enginetap: %s.%s was deleted while enginetap's patches were "
+                           "off it; they stay off", self.owner.__qualname__, self.name)
+            for patch in self.patches:
+                patch._attached = False
+            return
+        logger.info("enginetap: %s.%s was replaced while enginetap's patches were off it; "
+                    "wrapping the replacement, on from now on", self.owner.__qualname__,
+                    self.name)
+        for patch in self.patches:
+            patch._original, patch._owned = original, owned
+            patch._attach_wrapper()
+            original, owned = patch._installed_wrapper, True
+
+    def remove(self, patch: Patch) -> None:
+        """Take ``patch``'s wrapper away: the top one is unwrapped; one below another is
+        left in place (uninstalled out of order) and the chain pinned."""
+        if patch is self.patches[-1] and not self.pinned and self._held_level() >= 0:
+            self._put(len(self.patches) - 1)
+            self.patches.pop()
+            self.settle()
+        else:
+            if vars(self.owner).get(self.name) is patch._installed_wrapper:
+                if patch._owned:
+                    setattr(self.owner, self.name, patch._original)
+                else:
+                    delattr(self.owner, self.name)
+            self.pinned = True
+            self.patches.remove(patch)
+        if not self.patches:
+            _CHAINS.pop((id(self.owner), self.name), None)
+
+
+_CHAINS: dict[tuple[int, str], _Chain] = {}
+"""The ``detach`` chains by (id of the class, attribute)."""
+_CHAIN_LOCK = threading.RLock()
+"""Every change to a chain (gate changes on the engine's thread; installs, from a
+post-import hook on any thread) is made under it."""
+
+
 class _TrackedCall:
     """Calls the original once and remembers whether it ran, what it returned or raised."""
 
@@ -262,6 +394,10 @@ class Patch:
     _original: Any = field(init=False, default=None)
     _owned: bool = field(init=False, default=True)
     _logged: bool = field(init=False, default=False)
+    _installed_wrapper: Any = field(init=False, default=None)
+    """The ``FunctionWrapper`` this patch put on the owner."""
+    _attached: bool = field(init=False, default=False)
+    """The owner holds :attr:`_installed_wrapper` (False: detached, the original is back)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.target, str):
@@ -281,6 +417,12 @@ class Patch:
         """The exact object the patch replaced (None until installed)."""
         return self._original
 
+    @property
+    def attached(self) -> bool:
+        """Installed and its wrapper called by the owner's attribute (False while a
+        ``detach`` gate has it off the class)."""
+        return self._state == "installed" and self._attached
+
     def install(self) -> Patch:
         """Install now if the module is imported, else when it is first imported."""
         with self._lock:
@@ -294,15 +436,26 @@ class Patch:
         return self
 
     def uninstall(self) -> None:
-        """Restore the exact original; a pending patch is cancelled."""
-        with self._lock:
+        """Restore the exact original where the owner still holds this patch's wrapper
+        (a later patch stacked on it is left in place); a pending patch is cancelled."""
+        with self._lock, _CHAIN_LOCK:
             if self._state == "installed":
-                if self._owned:
-                    setattr(self._owner, self.target.attribute, self._original)
-                else:
-                    delattr(self._owner, self.target.attribute)
+                if self.gate is not None:
+                    self.gate._leave(self)
+                chain = _CHAINS.get((id(self._owner), self.target.attribute))
+                name = self.target.attribute
+                if chain is not None and self in chain.patches:
+                    chain.remove(self)
+                elif vars(self._owner).get(name) is self._installed_wrapper:
+                    # Only what the patch itself left there is taken back: a wrapper that
+                    # someone stacked on ours (or their own replacement) stays.
+                    if self._owned:
+                        setattr(self._owner, name, self._original)
+                    else:
+                        delattr(self._owner, name)
             self._state = "idle"
-            self._owner = self._original = None
+            self._owner = self._original = self._installed_wrapper = None
+            self._attached = False
 
     def _on_import(self, module: Any) -> None:
         with self._lock:
@@ -317,22 +470,53 @@ class Patch:
 
     def _apply(self) -> None:
         owner = _resolve_owner(self.target)
-        try:
-            original, owned = _raw_attribute(owner, self.target.attribute)
-        except (AttributeError, KeyError) as exc:
-            raise PatchError(
-                f"cannot patch {self.target}",
-                f"{self.target.attribute!r} does not exist on {owner!r}",
-                "check the target against the installed engine version",
-            ) from exc
-        if not (callable(original) or isinstance(original, (staticmethod, classmethod))):
-            raise PatchError(f"cannot patch {self.target}", f"{original!r} is not callable")
+        name = self.target.attribute
+        detach = (self.gate is not None and self.gate.detach and isinstance(owner, type))
+        with _CHAIN_LOCK:
+            chain = _CHAINS.get((id(owner), name))
+            if chain is not None:  # stacking on it: every wrapper on first, in order
+                if not detach:
+                    chain.pin()
+                elif chain._held_level() < 0:
+                    chain._rewrap()
+                elif not chain.pinned:
+                    chain._put(len(chain.patches))
+            try:
+                original, owned = _raw_attribute(owner, name)
+            except (AttributeError, KeyError) as exc:
+                raise PatchError(
+                    f"cannot patch {self.target}",
+                    f"{name!r} does not exist on {owner!r}",
+                    "check the target against the installed engine version",
+                ) from exc
+            if not (callable(original) or isinstance(original, (staticmethod, classmethod))):
+                raise PatchError(f"cannot patch {self.target}", f"{original!r} is not callable")
+            self._owner, self._original, self._owned = owner, original, owned
+            self._attach_wrapper()
+            self._state = "installed"
+            if detach:
+                assert self.gate is not None
+                if chain is None:
+                    chain = _CHAINS[(id(owner), name)] = _Chain(owner, name)
+                chain.patches.append(self)
+                self.gate._join(self)
+                chain.settle()
+
+    def _attach_wrapper(self) -> None:
+        """Wrap :attr:`_original` and put the wrapper on the owner."""
         enabled = None if self.gate is None else self.gate.check
         wrapper = self.wrapper if getattr(self.wrapper, _CONTAINED, False) else self._call
-        setattr(owner, self.target.attribute,
-                wrapt.FunctionWrapper(original, wrapper, enabled=enabled))
-        self._owner, self._original, self._owned = owner, original, owned
-        self._state = "installed"
+        self._installed_wrapper = wrapt.FunctionWrapper(self._original, wrapper,
+                                                        enabled=enabled)
+        setattr(self._owner, self.target.attribute, self._installed_wrapper)
+        self._attached = True
+
+    def _follow(self) -> None:
+        """Its ``detach`` gate changed: put on the class what the gates now say."""
+        with _CHAIN_LOCK:
+            chain = _CHAINS.get((id(self._owner), self.target.attribute))
+            if self._state == "installed" and chain is not None:
+                chain.settle()
 
     def _call(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         call = _TrackedCall(wrapped)

@@ -182,7 +182,7 @@ class _ScopeInstall:
 
     patches: PatchSet = field(default_factory=lambda: PatchSet("scope"))
     targets: set[str] = field(default_factory=set)
-    gate: Gate = field(default_factory=Gate)
+    gate: Gate = field(default_factory=lambda: Gate(detach=True))
 
     def add_model(self, model: Any, targets: Iterable[str]) -> None:
         SCOPE.register(model)
