@@ -27,7 +27,8 @@ The host work an unselected step adds is also accounted directly, since step med
 cannot resolve 1 %: capture's step listeners' time on decode steps (measured in the run,
 listener by listener) and the calls through shut gates (counted with every gate open, of
 the patches that stay on their class while shut, priced side by side on a small module);
-the core's step recorder is shown apart.
+the step log armed with it (``--step-log``: of captured steps only, as ``enginetap capture``
+arms it, or of every step) is shown beside it.
 Diagnostics: ``--trace`` (torch.profiler, host and device, of a disarmed and a selected
 run), ``--held-writer`` (a selected variant whose writer starts only after the
 run), ``--python-switch`` (a selected variant whose writer leaves the switch interval at
@@ -339,7 +340,13 @@ def _hold_writer_until_close() -> None:
 def _config(out: Path, policy, **capture: Any) -> ArmConfig:
     return ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
                      options={"capture": {"dataset": str(out / "ds"), "policy": policy,
-                                          "budget_bytes": BUDGET["bytes"], **capture}})
+                                          "budget_bytes": BUDGET["bytes"], **capture},
+                              "step": {"record": STEP_RECORD["record"]}})
+
+
+STEP_RECORD: dict[str, Any] = {"record": "selected"}
+"""``options.step.record`` of the armed variants: ``enginetap capture``'s "selected" (the
+step log of captured steps only), or ``--step-log all``."""
 
 
 NOTHING = {"name": "bench-nothing", "prefill": False, "decode_steps": []}
@@ -614,6 +621,9 @@ def main() -> None:
     parser.add_argument("--only", default="",
                         help="comma-separated variants to run besides disarmed and unselected "
                              "(e.g. 'disarmed again'); default: all")
+    parser.add_argument("--step-log", choices=["selected", "all"], default="selected",
+                        help="the armed variants' step log: of the captured steps only, as "
+                             "`enginetap capture` arms it (default), or of every step")
     parser.add_argument("--held-writer", action="store_true",
                         help="diagnostic: add a variant 'selected, writer held' whose writer "
                              "thread writes only after the run (what the writer's concurrent "
@@ -650,6 +660,7 @@ def main() -> None:
     BUDGET["bytes"] = int(args.budget_gb * (1 << 30))
     if args.threads:
         torch.set_num_threads(args.threads)
+    STEP_RECORD["record"] = True if args.step_log == "all" else "selected"
     _time_listeners()
     if args.recorder_parts:
         _time_recorder_parts()
@@ -689,6 +700,9 @@ def main() -> None:
                 "steps (their work hidden there, counted below anyway)")
     gated = unselected["gated_calls"] * unselected["gated_call_us"]
     capture_us = sum(listeners.values()) + gated
+    log = ("its step log of captured steps only (options.step.record \"selected\", as "
+           "`enginetap capture` arms it)" if args.step_log == "selected" else
+           "the step log of every step (options.step.record true)")
     for label, step_ms in (("disarmed", table["disarmed"]["median_ms"]),
                            ("both disarmed variants pooled", table["disarmed"]["pooled_ms"])):
         print(f"unselected decode step, capture's host work: listeners "
@@ -696,8 +710,8 @@ def main() -> None:
               + f" us; {unselected['gated_calls']:.0f} calls through shut gates x "
               f"{unselected['gated_call_us']:.3f} us = {gated:.1f} us; in all {capture_us:.1f}"
               f" us = {capture_us / 1e3 / step_ms:.2%} of the {label} decode step "
-              f"({step_ms:.2f} ms); with the core's step recorder ({recorder:.1f} us, on "
-              f"whenever enginetap is armed) {(capture_us + recorder) / 1e3 / step_ms:.2%}")
+              f"({step_ms:.2f} ms); with {log} ({recorder:.1f} us) "
+              f"{(capture_us + recorder) / 1e3 / step_ms:.2%}")
     for variant, parts in PARTS.items():
         if variant:
             print(f"step recorder on {variant} decode steps (median us): " + ", ".join(

@@ -348,7 +348,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, case):
 
 def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
     out = _cli("capture", "--model", "builtin:llama", "--out", str(tmp_path / "ds"),
-               "--max-output-tokens", "4", cwd=tmp_path)
+               "--max-output-tokens", "8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "captured into" in out.stdout and "enginetap replay" in out.stdout
     run = json.loads((tmp_path / "ds" / "enginetap" / "capture-run.json").read_text())
@@ -360,6 +360,16 @@ def test_cli_captures_under_a_mooncake_profile_and_reports(tmp_path):
     labelled = [r for r in receipts if any(v for v in r.notes["requests"].values())]
     assert labelled and all(r.notes["requests"][k].get("profile") == "mooncake-tiny"
                             for r in labelled for k in r.request_ids)
+    # the step log holds the selected steps only (``options.step.record: "selected"``):
+    # every step a workload came from, and with the steps not selected, all of them (the
+    # last step is a selected "last" decode step)
+    logged = [json.loads(line)["step"] for line in
+              (tmp_path / "ds" / "enginetap" / "steps-rank0.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "ds" / "enginetap" / "capture-summary-rank0.json")
+                         .read_text())
+    assert logged == sorted(set(logged)) and {r.step for r in receipts} <= set(logged)
+    assert summary["steps_not_selected"] > 0
+    assert len(logged) + summary["steps_not_selected"] == logged[-1] + 1
     assert replay_dataset(tmp_path / "ds", progress=False).ok
 
 

@@ -63,3 +63,25 @@ def test_once_the_engine_announces_device_waits_a_line_is_written_at_the_next_wa
     finally:
         recorder.uninstall()
     assert _lines(recorder.path) == [0, 1, 2, 3]  # disarm writes what was pending
+
+
+def test_only_selected_steps_are_written_when_asked(tmp_path):
+    """``options.step.record: "selected"``: a step is written only if a capability
+    called ``Step.select`` for it (capture does, for the steps it captures)."""
+    from enginetap.core.context import subscribe, unsubscribe
+
+    def pick(step: Step) -> None:
+        if step.step % 3 == 0:
+            step.select("test")
+            step.select("test")  # once is enough
+
+    subscribe(on_begin=pick)
+    recorder = StepRecorder(tmp_path, rank=0, only_selected=True).install()
+    try:
+        for n in range(7):
+            with publish(_step(n)) as step:
+                assert step.selected == (n % 3 == 0)
+    finally:
+        recorder.uninstall()
+        unsubscribe(pick)
+    assert _lines(recorder.path) == [0, 3, 6]

@@ -124,6 +124,8 @@ class CaptureRuntime:
     def _on_begin(self, step: Any) -> None:
         self.selector.on_begin(step)
         selected = self.selector.selected_step is not None
+        if selected:
+            step.select("capture")
         if selected or self.gate.is_open:  # open, or still open after an abandoned step
             self._select(selected)
 

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -52,8 +52,11 @@ class StepOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    record: bool = True
-    """Write every real step to ``<out_dir>/steps-rank<r>.jsonl``."""
+    record: bool | Literal["selected"] = True
+    """Write every real step to ``<out_dir>/steps-rank<r>.jsonl``; ``"selected"``: only
+    the steps a capability selected (capture's selected steps; what ``enginetap capture``
+    arms: a line costs the engine's thread about 0.1 ms on a GPU host, BENCHMARKS.md);
+    false: none."""
     selfcheck_gather: bool = False
     """vLLM only: after the model loads, gather its sharded weights (a TP self-check)."""
 
@@ -69,7 +72,8 @@ def install_step(context: ArmContext) -> InstallResult:
     installed, what = source
     parts = [installed] if installed is not None else []
     if options.record:
-        recorder = StepRecorder(context.out_dir, context.rank, context.config.request_filter)
+        recorder = StepRecorder(context.out_dir, context.rank, context.config.request_filter,
+                                only_selected=options.record == "selected")
         parts.append(recorder.install())
         context.notes["step_recorder"] = recorder
         what += f" (recording to {recorder.path})"

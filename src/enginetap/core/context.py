@@ -126,6 +126,18 @@ class Step:
     _device: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False,
                                                 compare=False)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    _selected_by: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def select(self, by: str) -> None:
+        """Capability ``by`` works on this step (capture: a selected step); a step
+        recorder armed with ``options.step.record: "selected"`` writes only such steps."""
+        if by not in self._selected_by:
+            self._selected_by.append(by)
+
+    @property
+    def selected(self) -> bool:
+        """Some capability called :meth:`select` for this step."""
+        return bool(self._selected_by)
 
     @staticmethod
     def mode_of(prefill_rows: int, decode_rows: int) -> Mode:

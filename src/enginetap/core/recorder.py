@@ -38,16 +38,20 @@ class StepRecorder:
     """Writes published steps of this process to ``<out_dir>/steps-rank<rank>.jsonl``.
 
     Only rows of requests whose id contains ``request_filter`` are written ("" keeps all);
-    a step left without rows is skipped. The file is created (truncated) at the first step.
+    a step left without rows is skipped; with ``only_selected`` so is a step no capability
+    selected. The file is created (truncated) at the first step written.
     """
 
-    def __init__(self, out_dir: Path, rank: int, request_filter: str = "") -> None:
+    def __init__(self, out_dir: Path, rank: int, request_filter: str = "",
+                 only_selected: bool = False) -> None:
         # fast: a step's record is ints and strings, written on the engine's thread
         self._writer = RankJsonl(Path(out_dir) / STEPS_FILE, rank, fast=True)
         self._sink = RecordSink(self._writer, deferred=True, on_error=self._failed,
                                 name="enginetap-step-recorder")
         self.path = self._writer.path
         self.request_filter = request_filter
+        self.only_selected = only_selected
+        """Write only steps some capability selected (:meth:`Step.select`)."""
         self.deferring = False
         """Lines wait for the next step's device wait (the engine announced one)."""
 
@@ -70,6 +74,8 @@ class StepRecorder:
         A write error (unwritable or full output directory) is logged once and recording
         stops; the engine goes on.
         """
+        if self.only_selected and not step.selected:
+            return
         rows = filter_rows(step.rows, self.request_filter)
         if not len(rows):
             return

@@ -73,7 +73,9 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     run_dir = _prepare_out(job.out)
     config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=run_dir, options={
         "capture": {"dataset": str(job.out.resolve()), "definitions": job.definitions,
-                    "policy": job.policy, "labels_file": str(run_dir / "capture-labels.json")}})
+                    "policy": job.policy, "labels_file": str(run_dir / "capture-labels.json")},
+        # the step log of the captured steps only: a step capture skips costs nothing
+        "step": {"record": "selected"}})
     (run_dir / "arming.json").write_text(config.model_dump_json(indent=2) + "\n")
     _status(run_dir, "running", job)
     try:
