@@ -254,11 +254,13 @@ def test_a_shut_gate_calls_the_original_and_an_open_one_the_wrapper():
     assert seen == [norm] and not hasattr(vars(llama.LlamaRMSNorm)["forward"], "__wrapped__")
 
 
-def _fresh_module(name: str):
-    """A module holding a class ``Box`` (``forward`` doubles) and a function ``f``."""
+@pytest.fixture
+def fresh():
+    """A fresh module ``_et_fresh`` holding a class ``Box`` (``forward`` doubles) and a
+    function ``f``; removed from ``sys.modules`` after the test."""
     import types
 
-    module = types.ModuleType(name)
+    module = types.ModuleType("_et_fresh")
 
     class Box(torch.nn.Module):
         def forward(self, x):
@@ -268,8 +270,9 @@ def _fresh_module(name: str):
         return x + 1
 
     module.Box, module.f = Box, f  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    return module
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
 
 
 def _spy(seen: list, label: str):
@@ -280,41 +283,38 @@ def _spy(seen: list, label: str):
     return spy
 
 
-def test_a_detach_gate_puts_the_original_back_on_the_class_while_shut():
+def test_a_detach_gate_puts_the_original_back_on_the_class_while_shut(fresh):
     from enginetap.core.patching import Gate
 
-    module = _fresh_module("_et_detach_a")
+    module = fresh
     box, original = module.Box(), vars(module.Box)["forward"]
     seen: list[str] = []
     gate = Gate(is_open=False, detach=True)
-    try:
-        patch = Patch(Target.parse("_et_detach_a:Box.forward"), _spy(seen, "ours"),
-                      gate).install()
-        # installed under a shut gate: the class holds the engine's own function
-        assert patch.installed and not patch.attached
-        assert vars(module.Box)["forward"] is original
-        assert torch.equal(box(torch.ones(2)), torch.full((2,), 2.0)) and seen == []
-        gate.set(True)
-        assert patch.attached and vars(module.Box)["forward"] is not original
-        box(torch.ones(2))
-        assert seen == ["ours"]
-        gate.set(False)
-        assert vars(module.Box)["forward"] is original and not patch.attached
-        box(torch.ones(2))
-        assert seen == ["ours"]
-        gate.set(True)
-        patch.uninstall()  # attached: the original is restored
-        assert vars(module.Box)["forward"] is original and not gate._patches
-    finally:
-        del sys.modules["_et_detach_a"]
+    patch = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "ours"),
+                  gate).install()
+    # installed under a shut gate: the class holds the engine's own function
+    assert patch.installed and not patch.attached
+    assert vars(module.Box)["forward"] is original
+    assert torch.equal(box(torch.ones(2)), torch.full((2,), 2.0)) and seen == []
+    gate.set(True)
+    assert patch.attached and vars(module.Box)["forward"] is not original
+    box(torch.ones(2))
+    assert seen == ["ours"]
+    gate.set(False)
+    assert vars(module.Box)["forward"] is original and not patch.attached
+    box(torch.ones(2))
+    assert seen == ["ours"]
+    gate.set(True)
+    patch.uninstall()  # attached: the original is restored
+    assert vars(module.Box)["forward"] is original and not gate._patches
 
 
-def test_a_detach_gate_leaves_module_functions_and_inherited_methods_right():
+def test_a_detach_gate_leaves_module_functions_and_inherited_methods_right(fresh):
     """A module function stays wrapped (a ``from m import f`` copy must see the wrapper),
     gated as before; a method the class inherits comes off as a deletion."""
     from enginetap.core.patching import Gate
 
-    module = _fresh_module("_et_detach_b")
+    module = fresh
 
     class Child(module.Box):
         pass
@@ -322,95 +322,86 @@ def test_a_detach_gate_leaves_module_functions_and_inherited_methods_right():
     module.Child = Child
     seen: list[str] = []
     gate = Gate(is_open=False, detach=True)
-    try:
-        function = Patch(Target.parse("_et_detach_b:f"), _spy(seen, "f"), gate).install()
-        inherited = Patch(Target.parse("_et_detach_b:Child.forward"), _spy(seen, "child"),
-                          gate).install()
-        assert function.attached and hasattr(module.f, "__wrapped__")
-        assert not inherited.attached and "forward" not in vars(Child)
-        module.f(1)
-        Child()(torch.ones(1))
-        assert seen == []
-        gate.set(True)
-        module.f(1)
-        Child()(torch.ones(1))
-        assert seen == ["f", "child"] and "forward" in vars(Child)
-        gate.set(False)
-        assert "forward" not in vars(Child) and function.attached
-        function.uninstall()
-        inherited.uninstall()
-        assert not hasattr(module.f, "__wrapped__") and "forward" not in vars(Child)
-    finally:
-        del sys.modules["_et_detach_b"]
+    function = Patch(Target.parse(f"{module.__name__}:f"), _spy(seen, "f"), gate).install()
+    inherited = Patch(Target.parse(f"{module.__name__}:Child.forward"), _spy(seen, "child"),
+                      gate).install()
+    assert function.attached and hasattr(module.f, "__wrapped__")
+    assert not inherited.attached and "forward" not in vars(Child)
+    module.f(1)
+    Child()(torch.ones(1))
+    assert seen == []
+    gate.set(True)
+    module.f(1)
+    Child()(torch.ones(1))
+    assert seen == ["f", "child"] and "forward" in vars(Child)
+    gate.set(False)
+    assert "forward" not in vars(Child) and function.attached
+    function.uninstall()
+    inherited.uninstall()
+    assert not hasattr(module.f, "__wrapped__") and "forward" not in vars(Child)
 
 
-def test_a_patch_stacked_on_a_detachable_one_pins_it_and_both_come_off_in_order():
+def test_a_patch_stacked_on_a_detachable_one_pins_it_and_both_come_off_in_order(fresh):
     from enginetap.core.patching import Gate
 
-    module = _fresh_module("_et_detach_c")
+    module = fresh
     box, original = module.Box(), vars(module.Box)["forward"]
     seen: list[str] = []
     gate = Gate(is_open=False, detach=True)
-    try:
-        below = Patch(Target.parse("_et_detach_c:Box.forward"), _spy(seen, "below"),
-                      gate).install()
-        assert not below.attached
-        above = Patch(Target.parse("_et_detach_c:Box.forward"), _spy(seen, "above")).install()
-        assert below.attached and above.original is below._installed_wrapper
-        box(torch.ones(1))
-        assert seen == ["above"]  # below's gate is shut: its wrapper is skipped
-        gate.set(True)
-        gate.set(False)  # pinned: no swap may take below out from under above
-        assert vars(module.Box)["forward"] is above._installed_wrapper
-        gate.set(True)
-        box(torch.ones(1))
-        assert seen == ["above", "above", "below"]
-        above.uninstall()
-        below.uninstall()
-        assert vars(module.Box)["forward"] is original
-    finally:
-        del sys.modules["_et_detach_c"]
+    below = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "below"),
+                  gate).install()
+    assert not below.attached
+    above = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "above")).install()
+    assert below.attached and above.original is below._installed_wrapper
+    box(torch.ones(1))
+    assert seen == ["above"]  # below's gate is shut: its wrapper is skipped
+    gate.set(True)
+    gate.set(False)  # pinned: no swap may take below out from under above
+    assert vars(module.Box)["forward"] is above._installed_wrapper
+    gate.set(True)
+    box(torch.ones(1))
+    assert seen == ["above", "above", "below"]
+    above.uninstall()
+    below.uninstall()
+    assert vars(module.Box)["forward"] is original
 
 
-def test_detach_patches_stacked_on_one_method_put_the_highest_open_one_on_the_class():
+def test_detach_patches_stacked_on_one_method_put_the_highest_open_one_on_the_class(fresh):
     from enginetap.core.patching import Gate
 
-    module = _fresh_module("_et_detach_f")
+    module = fresh
     box, original = module.Box(), vars(module.Box)["forward"]
     seen: list[str] = []
     low, high = Gate(is_open=False, detach=True), Gate(is_open=False, detach=True)
-    try:
-        first = Patch(Target.parse("_et_detach_f:Box.forward"), _spy(seen, "low"),
-                      low).install()
-        second = Patch(Target.parse("_et_detach_f:Box.forward"), _spy(seen, "high"),
-                       high).install()
-        assert second.original is first._installed_wrapper  # stacked in install order
-        assert vars(module.Box)["forward"] is original
-        assert not first.attached and not second.attached
-        for low_open, high_open, expect in ((True, False, ["low"]), (False, True, ["high"]),
-                                            (True, True, ["high", "low"]),
-                                            (False, False, [])):
-            low.set(low_open)
-            high.set(high_open)
-            seen.clear()
-            assert torch.equal(box(torch.ones(1)), torch.full((1,), 2.0))
-            assert seen == expect, (low_open, high_open)
-            held = vars(module.Box)["forward"]
-            assert held is (second._installed_wrapper if high_open else
-                            first._installed_wrapper if low_open else original)
-            assert first.attached == (low_open or high_open) and second.attached == high_open
-        low.set(True)
-        second.uninstall()
-        first.uninstall()
-        assert vars(module.Box)["forward"] is original and not low._patches
-    finally:
-        del sys.modules["_et_detach_f"]
+    first = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "low"),
+                  low).install()
+    second = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "high"),
+                   high).install()
+    assert second.original is first._installed_wrapper  # stacked in install order
+    assert vars(module.Box)["forward"] is original
+    assert not first.attached and not second.attached
+    for low_open, high_open, expect in ((True, False, ["low"]), (False, True, ["high"]),
+                                        (True, True, ["high", "low"]),
+                                        (False, False, [])):
+        low.set(low_open)
+        high.set(high_open)
+        seen.clear()
+        assert torch.equal(box(torch.ones(1)), torch.full((1,), 2.0))
+        assert seen == expect, (low_open, high_open)
+        held = vars(module.Box)["forward"]
+        assert held is (second._installed_wrapper if high_open else
+                        first._installed_wrapper if low_open else original)
+        assert first.attached == (low_open or high_open) and second.attached == high_open
+    low.set(True)
+    second.uninstall()
+    first.uninstall()
+    assert vars(module.Box)["forward"] is original and not low._patches
 
 
-def test_a_detached_patch_wraps_a_replacement_made_while_it_was_off_and_leaves_it_at_the_end():
+def test_a_detached_patch_wraps_a_replacement_made_while_off_and_leaves_it(fresh):
     from enginetap.core.patching import Gate
 
-    module = _fresh_module("_et_detach_d")
+    module = fresh
     seen: list[str] = []
     gate = Gate(is_open=False, detach=True)
 
@@ -418,33 +409,80 @@ def test_a_detached_patch_wraps_a_replacement_made_while_it_was_off_and_leaves_i
         seen.append("replacement")
         return x * 3
 
-    try:
-        patch = Patch(Target.parse("_et_detach_d:Box.forward"), _spy(seen, "ours"),
-                      gate).install()
-        module.Box.forward = replacement  # someone else's monkeypatch, while we are off
-        gate.set(True)
-        assert torch.equal(module.Box()(torch.ones(1)), torch.full((1,), 3.0))
-        assert seen == ["ours", "replacement"]
-        gate.set(False)  # wrapped for good now: gated, not detached
-        assert patch.attached
-        module.Box()(torch.ones(1))
-        assert seen == ["ours", "replacement", "replacement"]
+    patch = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "ours"),
+                  gate).install()
+    module.Box.forward = replacement  # someone else's monkeypatch, while we are off
+    gate.set(True)
+    assert torch.equal(module.Box()(torch.ones(1)), torch.full((1,), 3.0))
+    assert seen == ["ours", "replacement"]
+    gate.set(False)  # wrapped for good now: gated, not detached
+    assert patch.attached
+    module.Box()(torch.ones(1))
+    assert seen == ["ours", "replacement", "replacement"]
+    patch.uninstall()
+    assert vars(module.Box)["forward"] is replacement
+
+
+def test_a_foreign_wrapper_stacked_on_an_attached_chain_stays_and_pins_it(fresh):
+    """Someone wraps the class's method while our patch is on: at the next swap the chain
+    is left as it is (no second copy of our wrapper), gated from then on."""
+    import functools
+
+    from enginetap.core.patching import Gate
+
+    module = fresh
+    seen: list[str] = []
+    gate = Gate(is_open=True, detach=True)
+    patch = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "ours"),
+                  gate).install()
+    inner = vars(module.Box)["forward"]
+
+    @functools.wraps(inner)
+    def theirs(self, x):
+        seen.append("theirs")
+        return inner(self, x)
+
+    module.Box.forward = theirs
+    gate.set(False)
+    assert vars(module.Box)["forward"] is theirs and patch.attached
+    module.Box()(torch.ones(1))
+    assert seen == ["theirs"]  # ours is gated shut
+    gate.set(True)
+    module.Box()(torch.ones(1))
+    assert seen == ["theirs", "theirs", "ours"]  # ours once, not wrapped again
+    patch.uninstall()
+    assert vars(module.Box)["forward"] is theirs
+
+
+def test_a_detach_patch_installed_on_a_pinned_chain_is_wrapped_once(fresh):
+    from enginetap.core.patching import Gate
+
+    module = fresh
+    seen: list[str] = []
+    first, second = Gate(is_open=False, detach=True), Gate(is_open=False, detach=True)
+    original = vars(module.Box)["forward"]
+    low = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "low"),
+                first).install()
+    plain = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "plain")).install()
+    high = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy(seen, "high"),
+                 second).install()
+    assert high.original is plain._installed_wrapper and low.attached and high.attached
+    first.set(True)
+    second.set(True)
+    module.Box()(torch.ones(1))
+    assert seen == ["high", "plain", "low"]
+    for patch in (high, plain, low):
         patch.uninstall()
-        assert vars(module.Box)["forward"] is replacement
-    finally:
-        del sys.modules["_et_detach_d"]
+    assert vars(module.Box)["forward"] is original
 
 
-def test_uninstall_leaves_a_wrapper_someone_stacked_on_ours():
-    module = _fresh_module("_et_detach_e")
-    try:
-        ours = Patch(Target.parse("_et_detach_e:Box.forward"), _spy([], "ours")).install()
-        theirs = object.__new__(type("Theirs", (), {"__call__": lambda self, *a: None}))
-        module.Box.forward = theirs
-        ours.uninstall()
-        assert vars(module.Box)["forward"] is theirs
-    finally:
-        del sys.modules["_et_detach_e"]
+def test_uninstall_leaves_a_wrapper_someone_stacked_on_ours(fresh):
+    module = fresh
+    ours = Patch(Target.parse(f"{module.__name__}:Box.forward"), _spy([], "ours")).install()
+    theirs = object.__new__(type("Theirs", (), {"__call__": lambda self, *a: None}))
+    module.Box.forward = theirs
+    ours.uninstall()
+    assert vars(module.Box)["forward"] is theirs
 
 
 def test_a_contained_wrapper_is_installed_without_the_containment_layer():

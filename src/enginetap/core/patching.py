@@ -285,7 +285,7 @@ class _Chain:
         want = max((i + 1 for i, p in enumerate(self.patches) if p.gate.is_open), default=0)
         held = self._held_level()
         if held < 0:
-            self._rewrap()
+            self._foreign()
         elif held != want:
             self._put(want)
 
@@ -294,15 +294,32 @@ class _Chain:
         if self.pinned:
             return
         if self._held_level() < 0:
-            self._rewrap()
+            self._foreign()
         else:
             self._put(len(self.patches))
         self.pinned = True
 
+    def _foreign(self) -> None:
+        """The class holds something the chain did not put there. If it wraps one of the
+        chain's wrappers (stacked on them while they were on), it stays as it is; else it
+        replaced the original while the chain was off, and is wrapped again. Pinned
+        either way."""
+        self.pinned = True
+        found = vars(self.owner).get(self.name, _MISSING)
+        level = {id(p._installed_wrapper): i + 1 for i, p in enumerate(self.patches)}
+        for _ in range(64):  # a wrapper chain; bounded against a cyclic __wrapped__
+            if found is _MISSING or found is None:
+                break
+            if id(found) in level:
+                for i, patch in enumerate(self.patches):
+                    patch._attached = i < level[id(found)]
+                return
+            found = getattr(found, "__wrapped__", None)
+        self._rewrap()
+
     def _rewrap(self) -> None:
         """The attribute was replaced by someone else: wrap the replacement with the
-        chain's wrappers again (uninstalling leaves the replacement) and pin."""
-        self.pinned = True
+        chain's wrappers again (uninstalling leaves the replacement)."""
         try:
             original, owned = _raw_attribute(self.owner, self.name)
         except AttributeError:  # deleted: nothing left to wrap
@@ -477,10 +494,10 @@ class Patch:
             if chain is not None:  # stacking on it: every wrapper on first, in order
                 if not detach:
                     chain.pin()
-                elif chain._held_level() < 0:
-                    chain._rewrap()
                 elif not chain.pinned:
-                    chain._put(len(chain.patches))
+                    chain.settle()  # a replacement found there is dealt with first
+                    if not chain.pinned:
+                        chain._put(len(chain.patches))
             try:
                 original, owned = _raw_attribute(owner, name)
             except (AttributeError, KeyError) as exc:
