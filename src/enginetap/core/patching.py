@@ -271,10 +271,8 @@ class _Chain:
             pass
         elif level:
             setattr(self.owner, self.name, self.patches[level - 1]._installed_wrapper)
-        elif self.patches[0]._owned:
-            setattr(self.owner, self.name, self.patches[0]._original)
         else:
-            delattr(self.owner, self.name)
+            self.patches[0]._put_back()
         for i, patch in enumerate(self.patches):
             patch._attached = i < level
 
@@ -344,11 +342,7 @@ class _Chain:
             self.patches.pop()
             self.settle()
         else:
-            if vars(self.owner).get(self.name) is patch._installed_wrapper:
-                if patch._owned:
-                    setattr(self.owner, self.name, patch._original)
-                else:
-                    delattr(self.owner, self.name)
+            patch._take_back()
             self.pinned = True
             self.patches.remove(patch)
         if not self.patches:
@@ -460,16 +454,10 @@ class Patch:
                 if self.gate is not None:
                     self.gate._leave(self)
                 chain = _CHAINS.get((id(self._owner), self.target.attribute))
-                name = self.target.attribute
                 if chain is not None and self in chain.patches:
                     chain.remove(self)
-                elif vars(self._owner).get(name) is self._installed_wrapper:
-                    # Only what the patch itself left there is taken back: a wrapper that
-                    # someone stacked on ours (or their own replacement) stays.
-                    if self._owned:
-                        setattr(self._owner, name, self._original)
-                    else:
-                        delattr(self._owner, name)
+                else:
+                    self._take_back()
             self._state = "idle"
             self._owner = self._original = self._installed_wrapper = None
             self._attached = False
@@ -518,6 +506,19 @@ class Patch:
                 chain.patches.append(self)
                 self.gate._join(self)
                 chain.settle()
+
+    def _take_back(self) -> None:
+        """Put the original back if the owner still holds this patch's wrapper: a wrapper
+        that someone stacked on ours (or their own replacement) stays."""
+        if vars(self._owner).get(self.target.attribute) is self._installed_wrapper:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        """The owner's attribute as it was before this patch (deleted if inherited)."""
+        if self._owned:
+            setattr(self._owner, self.target.attribute, self._original)
+        else:
+            delattr(self._owner, self.target.attribute)
 
     def _attach_wrapper(self) -> None:
         """Wrap :attr:`_original` and put the wrapper on the owner."""
