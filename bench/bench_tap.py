@@ -11,6 +11,9 @@ engine does). Variants, interleaved round by round so that machine noise hits al
 - ``tap``: the tap capability, fingerprints only (no continuity or sampler points), so it
   records exactly the checkpoints the seed approach records; on a GPU its checkpoints are
   deferred (hashed in place at step end, one kernel);
+- ``tap-at-call``: ``tap`` with every checkpoint examined at its call (the recorder's
+  quick steps off: ``tap`` lists a settled step's checkpoints and examines them in one
+  loop at the device wait);
 - ``tap-inline``: ``tap`` with its records written at step end, after the transfer (by
   default a GPU run writes a step's record during the next step, once its forward is
   queued: the loop announces the device wait as the built-in engine does);
@@ -217,6 +220,8 @@ class TapVariant:
 
     inline = False
     """Write records in the engine thread at step end instead of the sink's thread."""
+    quick = True
+    """The recorder's quick steps (off: every checkpoint examined at its call)."""
 
     def install(self) -> None:
         from enginetap.capabilities import arm
@@ -229,6 +234,7 @@ class TapVariant:
         self.arming.hooks.model_loaded(self.model)
         if self.inline:
             self.recorder.sink.deferred = False
+        self.recorder.quick_steps = self.quick
 
     @property
     def recorder(self) -> Any:
@@ -236,7 +242,7 @@ class TapVariant:
 
     def uninstall(self) -> None:
         self.last = (self.recorder.last_checkpoints, self.recorder.last_bytes,
-                     self.recorder.last_deferred)
+                     self.recorder.last_deferred, self.recorder.last_quick)
         self.arming.uninstall()
         close_all()
 
@@ -249,6 +255,11 @@ class Nothing:
 
 def inline(variant: TapVariant) -> TapVariant:
     variant.inline = True
+    return variant
+
+
+def at_call(variant: TapVariant) -> TapVariant:
+    variant.quick = False
     return variant
 
 
@@ -290,6 +301,9 @@ def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:
     return {"disarmed": Nothing(),
             "tap": TapVariant(model, out / "tap", {"max_rows": rows, "continuity": False,
                                                    "sampler": False}),
+            "tap-at-call": at_call(TapVariant(model, out / "at-call",
+                                              {"max_rows": rows, "continuity": False,
+                                               "sampler": False})),
             "tap-inline": inline(TapVariant(model, out / "inline",
                                             {"max_rows": rows, "continuity": False,
                                              "sampler": False})),
@@ -323,8 +337,10 @@ def main() -> None:
     model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="decode steps per variant per round")
-    parser.add_argument("--warm", type=int, default=3,
-                        help="untimed decode steps after each variant is armed")
+    parser.add_argument("--warm", type=int, default=4,
+                        help="untimed decode steps after each variant is armed (the tap's "
+                        "first three verify its deferred checkpoints on a GPU, the fourth "
+                        "settles them: quick steps from the fifth on)")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     parser.add_argument("--static", action="store_true",
                         help="a preallocated KV cache (transformers StaticCache): the dynamic "
@@ -454,16 +470,16 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], variants: di
     for name, ms in median.items():
         extra = ""
         if isinstance(variants[name], TapVariant):
-            cps, nbytes, deferred = variants[name].last
+            cps, nbytes, deferred, quick = variants[name].last
             extra = (f"  {cps} checkpoints/step ({deferred} deferred), "
-                     f"{nbytes / 1e6:.2f} MB hashed/step")
+                     f"{nbytes / 1e6:.2f} MB hashed/step{', quick' if quick else ''}")
         elif isinstance(variants[name], SeedStyle):
             extra = f"  {variants[name].checkpoints} checkpoints/step"
         print(f"  {name:11s} median {ms:8.3f} ms/step  x{ms / base:6.3f}  +{ms - base:7.3f} ms"
               f"  (min {low[name]:8.3f}  +{low[name] - low['disarmed']:7.3f}){extra}")
     for label, table in (("median", median), ("min", low)):
         seed = table["seed-002"] - table["disarmed"]
-        for name in ("tap", "tap-gather"):
+        for name in ("tap", "tap-at-call", "tap-gather"):
             tap = table[name] - table["disarmed"]
             ratio = seed / tap if tap > 0 else float("inf")
             print(f"  seed-002 overhead / {name} overhead ({label}): {ratio:.2f}")

@@ -10,7 +10,9 @@ scope's wrappers; the tap arms the scope but, since ``616de8b``, leaves them shu
 recorder's ``checkpoint`` replaced by a function that returns at once: the wrappers'
 own cost); ``tap-keep`` (the checkpoint only keeps each tensor alive until step end, as a
 deferred checkpoint does: what holding hundreds of activations costs the rest of the
-forward, e.g. the caching allocator's work); ``tap`` (as armed, fingerprints only);
+forward, e.g. the caching allocator's work); ``tap`` (as armed, fingerprints only, but every checkpoint examined at its call: the
+recorder's quick steps off, as in the three before it); ``tap-quick`` (as armed: in settled
+steps the wrappers only list the checkpoints, examined in one loop at the device wait);
 ``seed-002``. (An earlier ``tap-nopoll``, without the record sink's idle-writer thread,
 showed no effect and was dropped.) Prints per variant the median decode step, the host
 time to launch the forward and the engine thread's own CPU time in it, the Python
@@ -18,7 +20,7 @@ threads alive, and the host time per call of the recorder's ``checkpoint`` in th
 tap variant. The differences between consecutive lines are the cost of each layer:
 scope − disarmed the scope's wrappers (which the tap no longer runs), tap-empty − scope
 the tap's wrapper, tap-keep − tap-empty what keeping the tensors costs, tap − tap-empty
-the checkpoints themselves.
+the checkpoints themselves, tap-quick − tap what listing them instead saves.
 
 To compare two versions of enginetap on one machine start, run it twice back to back
 with ``PYTHONPATH`` pointing at each tree's ``src``.
@@ -45,6 +47,7 @@ from enginetap.core.context import subscribe, unsubscribe  # noqa: E402
 from enginetap.core.sink import RecordSink  # noqa: E402
 
 CHECKPOINT = TapRecorder.checkpoint
+SETTLE = TapRecorder.settle
 IDLE_WRITER = RecordSink._idle_writer
 SPENT: dict[str, list[float]] = {}
 """Host seconds per checkpoint call, by variant."""
@@ -84,9 +87,12 @@ class Altered(bt.TapVariant):
                  label: str) -> None:
         super().__init__(model, out, options)
         self.what, self.label = what, label
+        self.quick = what == "quick"
 
     def install(self) -> None:
-        if self.what == "empty":
+        if self.what == "quick":
+            TapRecorder.settle = self._timed_settle()  # type: ignore[method-assign]
+        elif self.what == "empty":
             TapRecorder.checkpoint = lambda self, name, tensor: None  # type: ignore[method-assign]
         elif self.what == "keep":  # only what a deferred checkpoint holds: the tensor
             TapRecorder.checkpoint = (  # type: ignore[method-assign]
@@ -105,6 +111,7 @@ class Altered(bt.TapVariant):
             unsubscribe(_release)
             KEPT.clear()
             TapRecorder.checkpoint = CHECKPOINT  # type: ignore[method-assign]
+            TapRecorder.settle = SETTLE  # type: ignore[method-assign]
             RecordSink._idle_writer = IDLE_WRITER  # type: ignore[method-assign]
 
     def _timed(self) -> Any:
@@ -120,13 +127,28 @@ class Altered(bt.TapVariant):
 
         return timed
 
+    def _timed_settle(self) -> Any:
+        """The recorder's settle (a quick step's checkpoints examined), timed per step."""
+        spent = SPENT.setdefault("settle", [])
+
+        def timed(recorder: TapRecorder) -> None:
+            listed = recorder.quick
+            start = time.perf_counter()
+            try:
+                SETTLE(recorder)
+            finally:
+                if listed:
+                    spent.append(time.perf_counter() - start)
+
+        return timed
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     bt.model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per variant "
-                        "per round (after 3 untimed)")
+                        "per round (after 4 untimed: the tap's quick steps start at the fifth)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     bt.DEVICE = args.device
@@ -139,8 +161,9 @@ def main() -> None:
         "tap-empty": Altered(model, out / "empty", options, "empty", "tap-empty"),
         "tap-keep": Altered(model, out / "keep", options, "keep", "tap-keep"),
         "tap": Altered(model, out / "tap", options, "timed", "tap"),
+        "tap-quick": Altered(model, out / "quick", options, "quick", "tap-quick"),
         "seed-002": base["seed-002"]}
-    steps = args.rounds * len(variants) * (args.steps + 3) + 10
+    steps = args.rounds * len(variants) * (args.steps + 4) + 10
     loop = bt.Loop(model, args.batch, args.context, args.device, args.context + steps + 8)
     found: dict[str, list[tuple[float, float, float, int]]] = {}
     for _ in range(args.rounds):
@@ -148,7 +171,7 @@ def main() -> None:
             variant.install()
             threads = threading.active_count()
             try:
-                for _ in range(3):
+                for _ in range(4):
                     loop.decode()
                 for _ in range(args.steps):
                     step = loop.decode()
@@ -170,7 +193,8 @@ def main() -> None:
               f"thread CPU {cpu * 1e3:7.2f} ms)  Python threads {rows[0][3]}")
     for name, spent in SPENT.items():
         ordered = sorted(spent)
-        print(f"  checkpoint in {name}: median {statistics.median(spent) * 1e6:.2f} us, mean "
+        what = "a quick step's settle" if name == "settle" else f"checkpoint in {name}"
+        print(f"  {what}: median {statistics.median(spent) * 1e6:.2f} us, mean "
               f"{statistics.fmean(spent) * 1e6:.2f} us, p90 "
               f"{ordered[len(ordered) * 9 // 10] * 1e6:.2f} us over {len(spent)} calls")
 

@@ -3,7 +3,10 @@
 cuda`` on a GPU. The built-in engine tapped with deferred checkpoints
 records exactly what the gather path records, and a tensor written after its checkpoint
 is caught — by the first verification of its kind, by a periodic full verification, or by
-its version counter (where the tensor has one) — and never recorded wrong.
+its version counter (where the tensor has one) — and never recorded wrong. Quick steps
+(checkpoints examined after the forward) record the same, leave out what they cannot
+defer (a checkpoint new to the step's kind, a tensor whose version counter moved) and
+name it in the record.
 
 Prints one JSON line of findings; the test asserts on them."""
 
@@ -51,6 +54,7 @@ DeferredHashes._demote = noting_demote  # type: ignore[method-assign]
 
 MODE = {"what": "none"}
 CALLS = {"n": 0}
+QUICK: list[int] = []
 _mlp = modeling_llama.LlamaMLP.forward
 
 
@@ -66,25 +70,33 @@ def mlp_that_writes_its_input(self: Any, x: torch.Tensor) -> torch.Tensor:
             x.data.mul_(2.0)
         elif MODE["what"] == "counted" and CALLS["n"] >= 4:
             x.mul_(1.0)  # same bytes, but the version counter moves
+        elif MODE["what"] == "quick-counted" and step_number() >= 8:  # in quick steps
+            x.mul_(1.0)
+        elif MODE["what"] == "quick-new" and step_number() >= 6:
+            FIRST_NORM[0](x)  # a checkpoint (L0.post_norm.out#2) new in a quick step
     return out
 
 
 modeling_llama.LlamaMLP.forward = mlp_that_writes_its_input
 FIRST_MLP: list[Any] = [None]
+FIRST_NORM: list[Any] = [None]
 
 
 def run(out: Path, defer: bool, what: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
     MODE["what"], CALLS["n"] = what, 0
-    tap = {"defer": defer, "continuity": False, "defer_verify_every": 4}
+    quick = what.startswith("quick")  # longer runs, no periodic full verification
+    tap = {"defer": defer, "continuity": False, "defer_verify_every": 0 if quick else 4}
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                        options={"tap": tap, "step": {"record": False}})
     try:
         engine = HFEngine.from_builtin("llama", dtype=torch.float32, prefix_cache_size=0,
                                        arm=config, device=DEVICE)
         FIRST_MLP[0] = engine.model.model.layers[0].mlp
-        reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=6)
+        FIRST_NORM[0] = engine.model.model.layers[0].post_attention_layernorm
+        reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=14 if quick else 6)
                 for i, p in enumerate(["the cat sat", "on a mat", "the cat sat"])]
         tokens = [c.output_ids for c in engine.generate(reqs)]
+        QUICK.append(engine.arming.context.notes["tap"].quick_count)  # type: ignore[union-attr]
     finally:
         disarm()
         close_all()
@@ -97,16 +109,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     found: dict[str, Any] = {}
     inference_mode = torch.inference_mode
-    for what in ("none", "hidden", "late", "counted"):
+    for what in ("none", "hidden", "late", "counted", "quick-none", "quick-new",
+                 "quick-counted"):
         DEFERRED.clear()
         DEMOTED.clear()
-        if what == "counted":  # tensors with version counters: the engine without
+        QUICK.clear()
+        if what.endswith("counted"):  # tensors with version counters: the engine without
             torch.inference_mode = torch.no_grad  # type: ignore[assignment,misc]
         tokens_off, off = run(root / f"{what}-off", False, what)
         assert not DEFERRED, "defer=False must not defer"
         tokens_on, on = run(root / f"{what}-on", True, what)
         torch.inference_mode = inference_mode  # type: ignore[misc]
         found[what] = {"tokens_equal": tokens_on == tokens_off, "steps": len(on),
+                       "quick": QUICK[1],
                        "deferred": sum(DEFERRED), "demoted": list(DEMOTED),
                        "dropped": [(i, s["dropped"]) for i, s in enumerate(on) if s["dropped"]],
                        "equal": [], "differ": []}

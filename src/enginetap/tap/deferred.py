@@ -78,6 +78,10 @@ class DeferredHashes:
     verified: dict[tuple[str, str], int] = field(default_factory=dict)
     demoted: dict[str, str] = field(default_factory=dict)
     """Checkpoint name → why it is staged from now on."""
+    seen_version: dict[str, int] = field(default_factory=dict)
+    """Checkpoint name → the version counter its tensor had when last kept (tensors that
+    track versions): a checkpoint examined only at step end (the recorder's quick steps)
+    must show the same count, else something wrote it after its checkpoint."""
 
     def reset(self, mode: str = "", step: int = 1) -> None:
         """Start step number ``step`` of kind ``mode``."""
@@ -112,6 +116,11 @@ class DeferredHashes:
         self.verified[key] = seen + 1
         return True
 
+    def settled(self, name: str) -> bool:
+        """Whether ``name`` needs no verification in this step (read-only: unlike
+        :meth:`needs_check`, it counts nothing)."""
+        return not self.full and self.verified.get((self.mode, name), 0) >= self.verify + self.lag
+
     def add(self, name: str, source: torch.Tensor) -> int:
         """Keep ``source`` (accepted by :meth:`accepts`) to hash at step end; its slot
         among this step's deferred."""
@@ -133,7 +142,10 @@ class DeferredHashes:
     def _append(self, name: str, tensor: torch.Tensor, column: tuple[int, int, int]) -> int:
         self.columns.append(column)
         self.tensors.append(tensor)
-        self.versions.append(None if tensor.is_inference() else tensor._version)
+        version = None if tensor.is_inference() else tensor._version
+        if version is not None:
+            self.seen_version[name] = version
+        self.versions.append(version)
         self.names.append(name)
         return len(self.tensors) - 1
 
@@ -142,9 +154,14 @@ class DeferredHashes:
         moved = [i for i, (t, v) in enumerate(zip(self.tensors, self.versions))
                  if v is not None and t._version != v]
         for i in moved:
-            self._demote(self.names[i], "modified in place after its checkpoint, before "
-                                        "the step ended (its version counter moved)")
+            self.demote_moved(self.names[i])
         return moved
+
+    def demote_moved(self, name: str) -> None:
+        """Stage ``name`` from now on: its tensor's version counter moved after its
+        checkpoint."""
+        self._demote(name, "modified in place after its checkpoint, before the step ended "
+                           "(its version counter moved)")
 
     def hashes(self, index: torch.Tensor) -> torch.Tensor:
         """``[deferred, rows]`` int64 hashes of rows ``index`` of every kept tensor, one

@@ -28,20 +28,11 @@ import torch
 
 from enginetap.core.patching import contained
 from enginetap.core.scope import SCOPE
-from enginetap.tap.recorder import TapRecorder
+from enginetap.tap.recorder import TapRecorder, outputs_of
 
 __all__ = ["CheckpointNames", "logits_wrapper", "sublayer_wrapper"]
 
 _LAYER = re.compile(r"^L\d+$")
-
-
-def _outputs(value: Any) -> list[tuple[str, Any]]:
-    """``out`` for a tensor; ``out``, ``out1``, ... for the tensors of a tuple (a router's
-    logits, weights and expert ids)."""
-    if isinstance(value, (tuple, list)):
-        return [("out" if i == 0 else f"out{i}", v) for i, v in enumerate(value)
-                if isinstance(v, torch.Tensor)]
-    return [("out", value)]
 
 
 def _hidden(args: tuple, kwargs: dict) -> Any:
@@ -113,12 +104,19 @@ class CheckpointNames:
 def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
     """The wrapper factory's product for every sublayer target. It runs hundreds of times
     per step, so it contains its own errors (:func:`~enginetap.core.patching.contained`):
-    a failure is reported by the recorder and the engine's call goes on unchanged."""
+    a failure is reported by the recorder and the engine's call goes on unchanged.
+
+    In a quick step (:meth:`TapRecorder._start_quick`) it only lists each checkpoint's
+    tensor (a tuple of outputs as it is) for the recorder to examine after the forward,
+    except names in :attr:`TapRecorder.at_call` and kernel-level points."""
     every_input = recorder.options.inputs == "all"
     continuity = recorder.options.continuity
     layers_only = recorder.options.depth == "layers"
     by_id = names._names
     failed = recorder.wrapper_failed
+    at_call = recorder.at_call
+    compiling = torch.compiler.is_compiling
+    cuda = torch.cuda.is_available()
 
     @contained
     def tap_sublayer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -127,11 +125,21 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
             return wrapped(*args, **kwargs)
         try:
             name, name_in, name_out, kind, is_layer = entry
+            quick = recorder.quick
+            if quick is not None:  # where these hold, the checkpoints' own checks refuse
+                if compiling():  # traced code: touch nothing
+                    quick = None
+                elif is_layer and cuda and torch.cuda.is_current_stream_capturing():
+                    recorder.settle()  # the step stops being quick
+                    quick = None
             states = continuity and kind == "gdn"
             hidden = _hidden(args, kwargs) if (every_input or is_layer or states
                                                or (continuity and kind == "attn")) else None
             if every_input or is_layer:
-                recorder.checkpoint(name_in, hidden)
+                if quick is not None and name_in not in at_call:
+                    quick.append((name_in, hidden))
+                else:
+                    recorder.checkpoint(name_in, hidden)
             if states:
                 _state_points(recorder, name, instance, hidden, kwargs, "before")
         except Exception as exc:
@@ -140,10 +148,12 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
         out = wrapped(*args, **kwargs)
         try:
             if not layers_only or is_layer:  # else wrapped for its kernel points only
-                if isinstance(out, torch.Tensor):
+                if quick is not None and name_out not in at_call and recorder.quick is quick:
+                    quick.append((name_out, out))
+                elif isinstance(out, torch.Tensor):
                     recorder.checkpoint(name_out, out)
                 else:
-                    for suffix, tensor in _outputs(out):
+                    for suffix, tensor in outputs_of(out):
                         recorder.checkpoint(f"{name}.{suffix}", tensor)
             if continuity and kind == "attn":
                 _kv_points(recorder, name, instance, hidden, kwargs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import re
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from enginetap.tap.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
 
-__all__ = ["FORMAT", "TapRecorder"]
+__all__ = ["FORMAT", "TapRecorder", "outputs_of"]
 
 FORMAT = "enginetap-tap"
 VERSION = 2
@@ -74,6 +75,20 @@ class TapRecorder:
                                 list[str]]] = []
         """Verification flags of the last step whose hashes were queued without waiting,
         with the names they verify (see :meth:`_transfer_later`)."""
+        self.quick_steps = True
+        """Run settled steps quick (see :meth:`_start_quick`); False: every checkpoint is examined
+        as it comes (benchmarks compare the two)."""
+        self.at_call: set[str] = set()
+        """Checkpoint names examined as they come even in a quick step: those gathered
+        rather than deferred (demoted, or of a layout deferral does not take). The
+        sublayer wrappers test it per call; it only changes at a step's begin."""
+        self._at_call_next: set[str] = set()
+        self._demotions = 0
+        self._settled: set[str] = set()
+        """Step kinds whose last step verified nothing: their next steps may run quick."""
+        self.quick_count = 0
+        """Steps run quick since install (benchmarks, tests)."""
+        self.last_quick = False
         self._clear()
 
     def _clear(self) -> None:
@@ -92,6 +107,14 @@ class TapRecorder:
         self.request_of_row: list[int] = []
         self.request_token_index: list[int] = []
         self._index: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.quick: list[tuple[str | None, Any]] | None = None
+        """In a quick step: the checkpoints taken so far, in order — ``(name, tensor or
+        tuple of outputs)`` to examine at the device wait or step end, or ``(None,
+        (device, name, slot))`` for one examined at its call."""
+        self.late_dropped: list[str] = []
+        """Checkpoints of this quick step that could not be deferred when examined."""
+        self.quick_step = False
+        """This step runs quick (its list may already be examined: :attr:`quick` None)."""
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -113,6 +136,7 @@ class TapRecorder:
         self.models.append({"class": type(model).__name__, "dtype": dtype,
                             "model_type": getattr(config, "model_type", None),
                             "layers": getattr(config, "num_hidden_layers", None)})
+        self._settled.clear()  # its checkpoint names are verified before any quick step
 
     @property
     def active(self) -> bool:
@@ -144,6 +168,36 @@ class TapRecorder:
         for deferred in self._deferred.values():
             if deferred is not None:
                 deferred.reset(step.mode, step.step)
+        self._start_quick(step)
+
+    def _start_quick(self, step: Step) -> None:
+        """Run ``step`` quick where it can be: every checkpoint deferrable is only listed
+        by the sublayer wrappers (``quick``) and examined in one loop at the device wait or
+        step end (:meth:`settle`), where the same Python costs several times less than
+        between a forward's launches (BENCHMARKS.md, host cost per operation).
+
+        A step is quick when its kind is settled (the last step of its kind verified
+        nothing, so every name it met is verified), it is no full verification step, one
+        device defers, and no graph capture or compile tracing is on. Names gathered
+        rather than deferred are in :attr:`at_call` and still examined at their call; a
+        name a quick step cannot defer when examined (new, or of another layout) is left
+        out of that step's record (listed under ``"dropped"``) and examined at its call,
+        or verified, from the next step on."""
+        if self._at_call_next:
+            self.at_call.update(self._at_call_next)
+            self._at_call_next.clear()
+        if len(self._fast) != 1:
+            return
+        deferred = next(iter(self._fast.values()))
+        if len(deferred.demoted) != self._demotions:
+            self.at_call.update(_call_key(n) for n in list(deferred.demoted)[self._demotions:])
+            self._demotions = len(deferred.demoted)
+        if (self.quick_steps and step.mode in self._settled and not deferred.full
+                and not torch.compiler.is_compiling()
+                and not (self._cuda and torch.cuda.is_current_stream_capturing())):
+            self.quick = []
+            self.quick_step = True
+            self.quick_count += 1
 
     def wrapper_failed(self, exc: Exception) -> None:
         """A tap wrapper caught ``exc`` of its own (the engine's call went on): counted,
@@ -154,8 +208,11 @@ class TapRecorder:
                          "failures are counted, not logged): %r", exc, exc_info=exc)
 
     def waiting(self, step: Step) -> None:
-        """The engine waits for the device in ``step``: write the last step's record
-        now rather than at this step's end (see :mod:`enginetap.core.sink`)."""
+        """The engine waits for the device in ``step``: examine a quick step's
+        checkpoints, and write the last step's record now rather than at this step's end
+        (see :mod:`enginetap.core.sink`)."""
+        if self.quick is not None and self.step is step:
+            self.settle()
         self.sink.pump()
 
     def _prepare(self) -> None:
@@ -177,6 +234,9 @@ class TapRecorder:
             staging.reset(len(picked), self._device_list("inverse", device))
 
     def end(self, step: Step) -> None:
+        quick = self.quick_step
+        if self.quick is not None and self.step is step:
+            self.settle()
         if self._pending is step:
             self._prepare()
         if self.step is not step:
@@ -185,12 +245,90 @@ class TapRecorder:
         try:
             fill_late_lengths(self._rows, step)
             self.sink.submit(self._transfer(step), step.step)
+            self._learn(step, quick)
+            self.last_quick = quick
             self.last_checkpoints = len(self.names)
             self.last_deferred = sum(1 for slot in self.slots if slot < 0)
             self.last_bytes = sum(s.used for s in self._staging.values()) + sum(
                 d.hashed_bytes for d in self._deferred.values() if d is not None)
         finally:
             self._clear()
+
+    def _learn(self, step: Step, quick: bool) -> None:
+        """After a step that was not quick: its kind is settled when it deferred
+        checkpoints and verified none (every name it met had been verified)."""
+        if quick or len(self._fast) != 1:
+            return
+        deferred = next(iter(self._fast.values()))
+        if deferred.names and not deferred.checks and not deferred.full:
+            self._settled.add(step.mode)
+
+    # -- quick steps -------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Examine the checkpoints a quick step listed, in order (see
+        :meth:`_start_quick`); later checkpoints of the step are examined at their call."""
+        listed, self.quick = self.quick, None
+        if not listed or self.step is None:
+            return
+        names, slots, late = self.names, self.slots, self._late
+        for name, value in listed:
+            if name is None:
+                device, unique, slot = value
+                names.append((device, unique))
+                slots.append(slot)
+            elif isinstance(value, torch.Tensor):
+                late(name, value)
+            elif isinstance(value, (tuple, list)):
+                base = name[:-4]  # "<base>.out": a tuple's tensors are out, out1, ...
+                for suffix, tensor in outputs_of(value):
+                    late(f"{base}.{suffix}", tensor)
+
+    def _late(self, name: str, tensor: Any) -> None:
+        """:meth:`checkpoint` for a checkpoint listed by a quick step, examined after the
+        forward: deferred as it would have been at its call, else left out of this step
+        (its bytes at the call are gone) and examined at its call from the next step."""
+        if not isinstance(tensor, torch.Tensor):
+            return
+        deferred = self._fast.get(tensor.get_device())
+        words = self._row_words(tensor) if deferred is not None else 0
+        if not words or tensor.requires_grad:
+            if token_rows(tensor, self.padded) is not None:  # rows it would have recorded
+                self._leave_out(self._unique(name), at_call=True)
+            else:  # no token rows here (or a row shard): the call decides, as always
+                self._at_call_next.add(_call_key(name))
+            return
+        assert deferred is not None
+        unique = self._unique(name)
+        if not deferred.settled(unique):  # new to this kind of step: verify it first
+            self._leave_out(unique, at_call=False)
+            return
+        if not tensor.is_inference() and tensor._version != deferred.seen_version.get(unique):
+            deferred.demote_moved(unique)  # the same code path wrote it after its call
+            self._leave_out(unique, at_call=True)
+            return
+        slot = deferred.keep(unique, tensor, words, tensor.nbytes)
+        if slot < 0:  # demoted, or the byte budget is spent
+            self._leave_out(unique, at_call=True)
+            return
+        self.names.append((deferred.device, unique))
+        self.slots.append(-1 - slot)
+
+    def _leave_out(self, unique: str, at_call: bool) -> None:
+        self.late_dropped.append(unique)
+        if at_call:
+            self._at_call_next.add(_call_key(unique))
+        elif self.step is not None:
+            self._settled.discard(self.step.mode)
+
+    def _record(self, device: torch.device, unique: str, slot: int) -> None:
+        """Add checkpoint ``unique`` (its staging or deferred ``slot``) to the step, in
+        order: in a quick step, among the checkpoints listed for later."""
+        if self.quick is not None:
+            self.quick.append((None, (device, unique, slot)))
+        else:
+            self.names.append((device, unique))
+            self.slots.append(slot)
 
     # -- checkpoints -----------------------------------------------------------------
 
@@ -238,22 +376,29 @@ class TapRecorder:
         if deferred is None or tensor.requires_grad or not tensor.is_contiguous():
             self._checkpoint(name, tensor)
             return
+        words = self._row_words(tensor)
+        if not words:
+            self._checkpoint(name, tensor)
+            return
+        unique = self._unique(name)
+        slot = deferred.keep(unique, tensor, words, tensor.nbytes)
+        if slot >= 0 and not deferred.needs_check(unique):
+            self._record(deferred.device, unique, -1 - slot)
+            return
+        source = token_rows(tensor, self.padded)
+        assert source is not None  # the row layout was checked above
+        self._stage_named(unique, source, slot, deferred)
+
+    def _row_words(self, tensor: torch.Tensor) -> int:
+        """32-bit words per token row of a contiguous ``tensor`` whose leading dims are
+        the step's token rows, at a 4-byte aligned address; 0 for any other layout."""
         shape, padded = tensor.shape, self.padded
         nbytes = tensor.nbytes
         if not (shape and (shape[0] == padded or (len(shape) > 1
                                                     and shape[0] * shape[1] == padded))
                 and nbytes and not nbytes % (4 * padded) and not tensor.data_ptr() % 4):
-            self._checkpoint(name, tensor)
-            return
-        unique = self._unique(name)
-        slot = deferred.keep(unique, tensor, nbytes // padded // 4, nbytes)
-        if slot >= 0 and not deferred.needs_check(unique):
-            self.names.append((deferred.device, unique))
-            self.slots.append(-1 - slot)
-            return
-        source = token_rows(tensor, padded)
-        assert source is not None  # the row layout was checked above
-        self._stage_named(unique, source, slot, deferred)
+            return 0
+        return nbytes // padded // 4
 
     def _checkpoint(self, name: str, tensor: torch.Tensor) -> None:
         """:meth:`checkpoint` (past :meth:`allowed`) for what its fast path does not
@@ -278,8 +423,7 @@ class TapRecorder:
             if deferred is not None and deferred.accepts(unique, source):
                 check = deferred.add(unique, source)
                 if not deferred.needs_check(unique):
-                    self.names.append((device, unique))
-                    self.slots.append(-1 - check)
+                    self._record(device, unique, -1 - check)
                     return
         self._stage_named(unique, source, check, deferred)
 
@@ -294,8 +438,9 @@ class TapRecorder:
         slot = self._stage(source)
         if check >= 0 and deferred is not None:
             deferred.checks.append((unique, slot, check))
-        self.names.append((source.device, unique))
-        self.slots.append(slot)
+        elif self._fast:  # gathered, not deferred: examined at its call in quick steps
+            self._at_call_next.add(_call_key(unique))
+        self._record(source.device, unique, slot)
 
     def _stage(self, source: torch.Tensor) -> int:
         """Gather the tapped rows of ``source`` into a staging slot; the slot's place in
@@ -331,8 +476,7 @@ class TapRecorder:
             source = source.view(torch.uint8)
         staging = self._staging_for(source.device)
         staging.stage(source, None)
-        self.names.append((source.device, self._unique(name)))
-        self.slots.append(len(staging.order) - 1)
+        self._record(source.device, self._unique(name), len(staging.order) - 1)
 
     def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
@@ -344,8 +488,7 @@ class TapRecorder:
             source = source.view(torch.uint8)
         staging = self._staging_for(source.device)
         staging.stage_per_request(source)
-        self.names.append((source.device, self._unique(name)))
-        self.slots.append(len(staging.order) - 1)
+        self._record(source.device, self._unique(name), len(staging.order) - 1)
 
     def note_logits(self, logits: torch.Tensor) -> None:
         """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
@@ -389,6 +532,7 @@ class TapRecorder:
         order = [name for _, name in self.names if name not in gone]
         head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": self.rows,
                 "checkpoints": order, "sampled": dict(step.sampled)}
+        dropped += self.late_dropped
         if dropped:
             head["dropped"] = dropped
         if (self.vectors is None and launched and all(d.type == "cuda" for d, *_ in launched)
@@ -516,6 +660,26 @@ class TapRecorder:
                            "inlines past their hooks); kernel-level points in custom ops and "
                            "the sampler are. Run the engine eager (vLLM: enforce_eager=True) "
                            "to tap every sublayer", step.extra["compiled"])
+
+
+_REPEAT = re.compile(r"#\d+$")
+_OUTPUT = re.compile(r"\.out\d+$")
+
+
+def _call_key(name: str) -> str:
+    """The name a sublayer wrapper tests against :attr:`TapRecorder.at_call` for
+    checkpoint ``name``: without a repeat count (``#2``), and a tuple output's tensors
+    (``.out1``, ``.out2``...) under the tuple's ``.out``."""
+    return _OUTPUT.sub(".out", _REPEAT.sub("", name))
+
+
+def outputs_of(value: Any) -> list[tuple[str, Any]]:
+    """``out`` for a tensor; ``out``, ``out1``, ... for the tensors of a tuple (a router's
+    logits, weights and expert ids)."""
+    if isinstance(value, (tuple, list)):
+        return [("out" if i == 0 else f"out{i}", v) for i, v in enumerate(value)
+                if isinstance(v, torch.Tensor)]
+    return [("out", value)]
 
 
 def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],
