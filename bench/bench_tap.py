@@ -341,6 +341,8 @@ def main() -> None:
                         help="untimed decode steps after each variant is armed (the tap's "
                         "first three verify its deferred checkpoints on a GPU, the fourth "
                         "settles them: quick steps from the fifth on)")
+    parser.add_argument("--variants", default="", help="comma-separated variants to run "
+                        "(default all; disarmed always runs)")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     parser.add_argument("--static", action="store_true",
                         help="a preallocated KV cache (transformers StaticCache): the dynamic "
@@ -366,6 +368,12 @@ def main() -> None:
     model = build(args)
     out = Path(tempfile.mkdtemp(prefix="bench-tap-"))
     variants = make_variants(model, out, args.rows)
+    if args.variants:
+        wanted = {"disarmed", *args.variants.split(",")}
+        unknown = wanted - set(variants)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(variants)}")
+        variants = {name: v for name, v in variants.items() if name in wanted}
     traced = len(list(filter(None, args.trace.split(","))))
     steps = (args.rounds * len(variants) * (args.steps + args.warm)
              + (1 + traced) * (args.steps + 3) + 1)  # + --profile and --trace steps
@@ -478,8 +486,10 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], variants: di
         print(f"  {name:11s} median {ms:8.3f} ms/step  x{ms / base:6.3f}  +{ms - base:7.3f} ms"
               f"  (min {low[name]:8.3f}  +{low[name] - low['disarmed']:7.3f}){extra}")
     for label, table in (("median", median), ("min", low)):
+        if "seed-002" not in table:
+            break
         seed = table["seed-002"] - table["disarmed"]
-        for name in ("tap", "tap-at-call", "tap-gather"):
+        for name in (n for n in ("tap", "tap-at-call", "tap-gather") if n in table):
             tap = table[name] - table["disarmed"]
             ratio = seed / tap if tap > 0 else float("inf")
             print(f"  seed-002 overhead / {name} overhead ({label}): {ratio:.2f}")

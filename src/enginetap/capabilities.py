@@ -26,7 +26,7 @@ CAPTURE = Capability("capture", CaptureOptions, "enginetap.capture.arming:instal
 
 TAP = Capability("tap", TapOptions, "enginetap.tap.arming:install",
                  "per-step fingerprints of tapped rows at every sublayer",
-                 needs=("step", "scope"))
+                 needs=("step", "scope"), running_scope=False)
 
 SP_PREFILL = Capability("sp_prefill", SpPrefillOptions,
                         "enginetap.patches.sp_prefill.arming:install",

@@ -162,3 +162,41 @@ def test_a_layers_only_run_diffs_cleanly_against_a_sublayers_run(tmp_path: Path)
     assert {"L0.in", "L0.out", "L1.out"} <= only < every and "L0.mlp.out" in every - only
     (result,) = diff_runs(layers, sublayers)
     assert result.rows_compared > 0 and not result.diverged
+
+
+def test_the_tap_alone_names_modules_without_the_scopes_wrappers(tmp_path: Path) -> None:
+    """The tap reads the scope's module names, never the running sublayer: armed without
+    capture, the scope installs no wrapper (each would be one more call per sublayer
+    call); armed by itself, the scope wraps as always."""
+    from enginetap.config import ArmConfig
+    from enginetap.core.jsonl import close_all
+    from enginetap.core.scope import current_names
+    from enginetap.engines.hf.arming import disarm
+
+    seen: list[object] = []
+    for capabilities in (["tap"], ["scope"]):
+        config = ArmConfig(enabled=True, capabilities=capabilities,
+                           out_dir=tmp_path / capabilities[0],
+                           options={"step": {"record": False}})
+        try:
+            engine = HFEngine.from_builtin("llama", prefix_cache_size=0, arm=config)
+            mlp = type(engine.model.model.layers[0].mlp)
+            forward = mlp.forward
+            mlp.forward = lambda self, x, _f=forward: (seen.append(current_names()), _f(self, x))[1]
+            try:
+                engine.generate(requests(PROMPTS[:2], max_new_tokens=3))
+            finally:
+                mlp.forward = forward
+            patches = engine.arming.context.notes["scope"].gate._patches
+            assert (patches == []) == (capabilities == ["tap"]), capabilities
+            assert engine.arming.context.running_scope == (capabilities == ["scope"])
+        finally:
+            disarm()
+            close_all()
+        if capabilities == ["tap"]:
+            steps = load_run(tmp_path / "tap").rank(0).steps
+            assert len(steps) == 3 and all({"L0.in", "L0.mlp.out", "L1.attn.out"}
+                                           <= set(s.checkpoints) for s in steps)
+            assert set(seen) == {None}  # nothing tracks the running sublayer
+            seen.clear()
+    assert seen and all(names is not None for names in seen)  # the scope alone does

@@ -113,8 +113,11 @@ class Arming:
         """
         names = self.registry.order(self.config.capabilities)
         dependents = {n: [m for m in names if n in self.registry.get(m).needs] for n in names}
+        users = dependents.get("scope", [])  # none: the scope armed by itself
+        running = not users or any(self.registry.get(m).running_scope for m in users)
         self.context = ArmContext(self.config, names, self.options, self.hooks,
-                                  self.rank, self.world_size, dependents=dependents)
+                                  self.rank, self.world_size, dependents=dependents,
+                                  running_scope=running)
         set_current_arming(self.context)
         try:
             for name in names:

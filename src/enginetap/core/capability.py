@@ -70,6 +70,10 @@ class Capability:
     install: str | InstallFunction
     summary: str
     needs: tuple[str, ...] = ("step",)
+    running_scope: bool = True
+    """Where it needs ``scope``: whether it reads the running sublayer (the scope's
+    wrappers), or only the scope's module names (False: then, armed alone with it, the
+    scope installs no wrapper)."""
 
     def install_function(self) -> InstallFunction:
         """Raises: ConfigError: the install function cannot be imported."""
@@ -210,6 +214,10 @@ class ArmContext:
     notes: dict[str, Any] = field(default_factory=dict)
     dependents: dict[str, list[str]] = field(default_factory=dict)
     """For each armed capability, the armed capabilities that need it."""
+    running_scope: bool = True
+    """Whether anything armed reads the running sublayer (``scope`` armed with nothing
+    that needs it, or a capability needing it with ``running_scope``): else the scope
+    only names modules."""
 
     @property
     def out_dir(self) -> Path:

@@ -183,9 +183,14 @@ class _ScopeInstall:
     patches: PatchSet = field(default_factory=lambda: PatchSet("scope"))
     targets: set[str] = field(default_factory=set)
     gate: Gate = field(default_factory=lambda: Gate(detach=True))
+    wrap: bool = True
+    """Install the wrappers (False: only module names are needed, see
+    :attr:`~enginetap.core.capability.ArmContext.running_scope`)."""
 
     def add_model(self, model: Any, targets: Iterable[str]) -> None:
         SCOPE.register(model)
+        if not self.wrap:
+            return
         new = [t for t in dict.fromkeys(targets) if t not in self.targets]
         self.targets.update(new)
         self.patches.install_more(((t, _enter_module) for t in new), self.gate)
@@ -203,8 +208,11 @@ class ScopeOptions(BaseModel):
 
 
 def install_scope(context: ArmContext) -> InstallResult:
-    """The ``scope`` capability: register each loaded model and wrap its sublayers."""
-    installed = _ScopeInstall()
+    """The ``scope`` capability: register each loaded model and wrap its sublayers (not
+    where only the tap needs it: it reads module names, never the running sublayer; its
+    own wrappers stacked on the scope's would keep them on every call, about 1.8 ms of
+    host time per 5120x48 decode step on the H200, BENCHMARKS.md)."""
+    installed = _ScopeInstall(wrap=context.running_scope)
     context.notes["scope"] = ScopeUse(context.dependents.get("scope", ()), installed.gate)
     context.hooks.on_model_loaded(
         lambda model: installed.add_model(model, context.hooks.sublayer_targets(model)))

@@ -60,8 +60,8 @@ def install(context: ArmContext) -> InstallResult:
     scope = context.notes.get("scope")
     if isinstance(scope, ScopeUse):
         # The tap takes module names from the scope's registry and never reads the
-        # running sublayer: the scope's wrappers need not run for it (they cost about
-        # 1.6 ms of host time per 5120x48 decode step on the H200), only for capture.
+        # running sublayer (armed without capture, the scope installs no wrapper): the
+        # scope's wrappers need not run for it, only for capture.
         scope.part_time("tap")
     installed = TapInstall(TapRecorder(context, options).install())
     context.hooks.on_model_loaded(
