@@ -74,6 +74,10 @@ def mlp_that_writes_its_input(self: Any, x: torch.Tensor) -> torch.Tensor:
             x.mul_(1.0)
         elif MODE["what"] == "quick-new" and step_number() >= 6:
             FIRST_NORM[0](x)  # a checkpoint (L0.post_norm.out#2) new in a quick step
+        elif MODE["what"] == "quick-strided":  # the same values, rows 2x their width apart
+            wide = out.new_zeros(*out.shape[:-1], 2 * out.shape[-1])
+            wide[..., :out.shape[-1]] = out
+            return wide[..., :out.shape[-1]]
     return out
 
 
@@ -110,7 +114,7 @@ def main() -> None:
     found: dict[str, Any] = {}
     inference_mode = torch.inference_mode
     for what in ("none", "hidden", "late", "counted", "quick-none", "quick-new",
-                 "quick-counted"):
+                 "quick-counted", "quick-strided"):
         DEFERRED.clear()
         DEMOTED.clear()
         QUICK.clear()

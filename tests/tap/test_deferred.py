@@ -63,6 +63,10 @@ def test_built_in_engine_deferred_equals_gathered_and_writes_are_caught() -> Non
     # checkpoints are examined: left out of step 8, gathered at its call from step 9.
     assert found["quick-counted"]["dropped"] == [[8, ["L0.post_norm.out"]]]
     assert found["quick-counted"]["demoted"] == found["counted"]["demoted"]
+    # A non-contiguous output (L0.mlp.out, rows twice their width apart) is kept through
+    # its row view in quick steps too: recorded like the gather path, nothing left out.
+    assert found["quick-strided"]["quick"] == found["quick-none"]["quick"]
+    assert found["quick-strided"]["dropped"] == [] and found["quick-strided"]["demoted"] == []
 
 
 def test_what_can_be_deferred() -> None:

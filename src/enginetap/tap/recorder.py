@@ -286,19 +286,23 @@ class TapRecorder:
 
     def _late(self, name: str, tensor: Any) -> None:
         """:meth:`checkpoint` for a checkpoint listed by a quick step, examined after the
-        forward: deferred as it would have been at its call, else left out of this step
-        (its bytes at the call are gone) and examined at its call from the next step."""
+        forward: deferred as it would have been at its call (a contiguous tensor as it
+        is, another through its row view), else left out of this step (its bytes at the
+        call are gone) and examined at its call from the next step."""
         if not isinstance(tensor, torch.Tensor):
             return
         deferred = self._fast.get(tensor.get_device())
-        words = self._row_words(tensor) if deferred is not None else 0
-        if not words or tensor.requires_grad:
-            if token_rows(tensor, self.padded) is not None:  # rows it would have recorded
+        if deferred is None or tensor.requires_grad:  # the call would have gathered it
+            if token_rows(tensor, self.padded) is not None:
                 self._leave_out(self._unique(name), at_call=True)
-            else:  # no token rows here (or a row shard): the call decides, as always
+            else:
                 self._at_call_next.add(_call_key(name))
             return
-        assert deferred is not None
+        words = self._row_words(tensor) if tensor.is_contiguous() else 0
+        source = None if words else token_rows(tensor, self.padded)
+        if source is None and not words:  # no token rows (or a row shard): as at the call
+            self._at_call_next.add(_call_key(name))
+            return
         unique = self._unique(name)
         if not deferred.settled(unique):  # new to this kind of step: verify it first
             self._leave_out(unique, at_call=False)
@@ -307,8 +311,12 @@ class TapRecorder:
             deferred.demote_moved(unique)  # the same code path wrote it after its call
             self._leave_out(unique, at_call=True)
             return
-        slot = deferred.keep(unique, tensor, words, tensor.nbytes)
-        if slot < 0:  # demoted, or the byte budget is spent
+        if words:
+            slot = deferred.keep(unique, tensor, words, tensor.nbytes)
+        else:
+            assert source is not None
+            slot = deferred.add(unique, source) if deferred.accepts(unique, source) else -1
+        if slot < 0:  # demoted, or the byte budget is spent, or rows it cannot read
             self._leave_out(unique, at_call=True)
             return
         self.names.append((deferred.device, unique))
