@@ -6,13 +6,14 @@ diagnostic beside ``bench_tap.py``, whose model, decode loop and variants it reu
     python bench/tap_host_breakdown.py                     # built-in tiny llama on the CPU
 
 Variants, rotated round by round in one process: ``disarmed``; ``scope`` (only the module
-scope's wrappers; the tap arms the scope but, since ``616de8b``, leaves them shut); ``tap-empty`` (the tap armed, its
-recorder's ``checkpoint`` replaced by a function that returns at once: the wrappers'
-own cost); ``tap-keep`` (the checkpoint only keeps each tensor alive until step end, as a
-deferred checkpoint does: what holding hundreds of activations costs the rest of the
-forward, e.g. the caching allocator's work); ``tap`` (as armed, fingerprints only, but every checkpoint examined at its call: the
-recorder's quick steps off, as in the three before it); ``tap-quick`` (as armed: in settled
-steps the wrappers only list the checkpoints, examined in one loop at the device wait);
+scope's wrappers: the tap armed alone installs none since ``1eba9af``, and left them shut
+before); ``tap-empty`` (the tap armed, its recorder's ``checkpoint`` replaced by a function
+that returns at once: the wrappers' own cost); ``tap-keep`` (the checkpoint only keeps each
+tensor alive until step end, as a deferred checkpoint does: what holding hundreds of
+activations costs the rest of the forward, e.g. the caching allocator's work); ``tap`` (as
+armed, fingerprints only, but every checkpoint examined at its call: the recorder's quick
+steps off, as in the three before it); ``tap-quick`` (as armed: in settled steps the
+wrappers only list the checkpoints, examined in one loop at the device wait);
 ``seed-002``. (An earlier ``tap-nopoll``, without the record sink's idle-writer thread,
 showed no effect and was dropped.) Prints per variant the median decode step, the host
 time to launch the forward and the engine thread's own CPU time in it, the Python

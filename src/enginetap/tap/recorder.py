@@ -76,8 +76,8 @@ class TapRecorder:
         """Verification flags of the last step whose hashes were queued without waiting,
         with the names they verify (see :meth:`_transfer_later`)."""
         self.quick_steps = True
-        """Run settled steps quick (see :meth:`_start_quick`); False: every checkpoint is examined
-        as it comes (benchmarks compare the two)."""
+        """Run settled steps quick (see :meth:`_start_quick`); False: every checkpoint is
+        examined as it comes (benchmarks compare the two)."""
         self.at_call: set[str] = set()
         """Checkpoint names examined as they come even in a quick step: those gathered
         rather than deferred (demoted, or of a layout deferral does not take). The
