@@ -97,6 +97,8 @@ def run(out: Path, defer: bool, what: str) -> tuple[list[list[int]], list[dict[s
                                        arm=config, device=DEVICE)
         FIRST_MLP[0] = engine.model.model.layers[0].mlp
         FIRST_NORM[0] = engine.model.model.layers[0].post_attention_layernorm
+        if what == "quick-split":  # as sp_prefill notes it: rows may be split over ranks
+            engine.arming.context.notes["rows_split"] = True  # type: ignore[union-attr]
         reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=14 if quick else 6)
                 for i, p in enumerate(["the cat sat", "on a mat", "the cat sat"])]
         tokens = [c.output_ids for c in engine.generate(reqs)]
@@ -114,7 +116,7 @@ def main() -> None:
     found: dict[str, Any] = {}
     inference_mode = torch.inference_mode
     for what in ("none", "hidden", "late", "counted", "quick-none", "quick-new",
-                 "quick-counted", "quick-strided"):
+                 "quick-counted", "quick-strided", "quick-split"):
         DEFERRED.clear()
         DEMOTED.clear()
         QUICK.clear()

@@ -67,6 +67,8 @@ def test_built_in_engine_deferred_equals_gathered_and_writes_are_caught() -> Non
     # its row view in quick steps too: recorded like the gather path, nothing left out.
     assert found["quick-strided"]["quick"] == found["quick-none"]["quick"]
     assert found["quick-strided"]["dropped"] == [] and found["quick-strided"]["demoted"] == []
+    # Where a patch may split forwards' rows across ranks, no step runs quick.
+    assert found["quick-split"]["quick"] == 0 and found["quick-split"]["dropped"] == []
 
 
 def test_what_can_be_deferred() -> None:

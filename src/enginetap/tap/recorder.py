@@ -178,7 +178,9 @@ class TapRecorder:
 
         A step is quick when its kind is settled (the last step of its kind verified
         nothing, so every name it met is verified), it is no full verification step, one
-        device defers, and no graph capture or compile tracing is on. Names gathered
+        device defers, no graph capture or compile tracing is on, and no patch splits
+        forwards' rows across ranks (sp_prefill: whether a step is quick is decided per
+        rank, and a row shard is joined by a collective at its call). Names gathered
         rather than deferred are in :attr:`at_call` and still examined at their call; a
         name a quick step cannot defer when examined (new, or of another layout) is left
         out of that step's record (listed under ``"dropped"``) and examined at its call,
@@ -186,8 +188,8 @@ class TapRecorder:
         if self._at_call_next:
             self.at_call.update(self._at_call_next)
             self._at_call_next.clear()
-        if len(self._fast) != 1:
-            return
+        if len(self._fast) != 1 or self.context.notes.get("rows_split"):
+            return  # (split rows are joined by a collective: at their call on every rank)
         deferred = next(iter(self._fast.values()))
         if len(deferred.demoted) != self._demotions:
             self.at_call.update(_call_key(n) for n in list(deferred.demoted)[self._demotions:])

@@ -33,6 +33,9 @@ def install(context: ArmContext) -> InstallResult:
     except ProblemsError as exc:  # DriftError, RequirementError: refuse, serve stock
         _refused(context, exc)
         return None, f"sp_prefill (refused: {exc.what}; vLLM serves its stock path)"
+    # Forwards may now be split across ranks: whoever joins their rows (the tap) must do
+    # it at the same calls on every rank (a collective), never decide it per rank later.
+    context.notes["rows_split"] = True
     return patch, (f"sp_prefill (mode {options.mode}, min_rows {options.min_rows}, "
                    f"TP {context.world_size})")
 
