@@ -188,9 +188,9 @@ class TapRecorder:
         if self._at_call_next:
             self.at_call.update(self._at_call_next)
             self._at_call_next.clear()
-        if len(self._fast) != 1 or self.context.notes.get("rows_split"):
+        deferred = self._only_deferred()
+        if deferred is None or self.context.notes.get("rows_split"):
             return  # (split rows are joined by a collective: at their call on every rank)
-        deferred = next(iter(self._fast.values()))
         if len(deferred.demoted) != self._demotions:
             self.at_call.update(_call_key(n) for n in list(deferred.demoted)[self._demotions:])
             self._demotions = len(deferred.demoted)
@@ -259,11 +259,14 @@ class TapRecorder:
     def _learn(self, step: Step, quick: bool) -> None:
         """After a step that was not quick: its kind is settled when it deferred
         checkpoints and verified none (every name it met had been verified)."""
-        if quick or len(self._fast) != 1:
-            return
-        deferred = next(iter(self._fast.values()))
-        if deferred.names and not deferred.checks and not deferred.full:
+        deferred = None if quick else self._only_deferred()
+        if deferred is not None and deferred.names and not deferred.checks and not deferred.full:
             self._settled.add(step.mode)
+
+    def _only_deferred(self) -> DeferredHashes | None:
+        """The deferred state of the one device that defers (quick steps need exactly
+        one); None otherwise."""
+        return next(iter(self._fast.values())) if len(self._fast) == 1 else None
 
     # -- quick steps -------------------------------------------------------------------
 
