@@ -55,6 +55,7 @@ DeferredHashes._demote = noting_demote  # type: ignore[method-assign]
 MODE = {"what": "none"}
 CALLS = {"n": 0}
 QUICK: list[int] = []
+PLANNED: list[int] = []
 _mlp = modeling_llama.LlamaMLP.forward
 
 
@@ -99,15 +100,18 @@ def run(out: Path, defer: bool, what: str) -> tuple[list[list[int]], list[dict[s
         FIRST_NORM[0] = engine.model.model.layers[0].post_attention_layernorm
         if what == "quick-split":  # as sp_prefill notes it: rows may be split over ranks
             engine.arming.context.notes["rows_split"] = True  # type: ignore[union-attr]
-        reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=14 if quick else 6)
-                for i, p in enumerate(["the cat sat", "on a mat", "the cat sat"])]
+        new = [14, 9 if what == "quick-shrink" else 14, 14] if quick else [6, 6, 6]
+        reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=n)
+                for i, (p, n) in enumerate(zip(["the cat sat", "on a mat", "the cat sat"], new))]
         tokens = [c.output_ids for c in engine.generate(reqs)]
-        QUICK.append(engine.arming.context.notes["tap"].quick_count)  # type: ignore[union-attr]
+        recorder = engine.arming.context.notes["tap"]  # type: ignore[union-attr]
+        QUICK.append(recorder.quick_count)
+        PLANNED.append(recorder.planned_count)
     finally:
         disarm()
         close_all()
-    steps = [{"checkpoints": s.checkpoints, "hashes": s.hashes, "dropped": s.dropped}
-             for s in load_run(out).rank(0).steps]
+    steps = [{"checkpoints": s.checkpoints, "hashes": s.hashes, "dropped": s.dropped,
+              "rows": len(s.rows)} for s in load_run(out).rank(0).steps]
     return tokens, steps
 
 
@@ -116,10 +120,11 @@ def main() -> None:
     found: dict[str, Any] = {}
     inference_mode = torch.inference_mode
     for what in ("none", "hidden", "late", "counted", "quick-none", "quick-new",
-                 "quick-counted", "quick-strided", "quick-split"):
+                 "quick-counted", "quick-strided", "quick-split", "quick-shrink"):
         DEFERRED.clear()
         DEMOTED.clear()
         QUICK.clear()
+        PLANNED.clear()
         if what.endswith("counted"):  # tensors with version counters: the engine without
             torch.inference_mode = torch.no_grad  # type: ignore[assignment,misc]
         tokens_off, off = run(root / f"{what}-off", False, what)
@@ -127,7 +132,8 @@ def main() -> None:
         tokens_on, on = run(root / f"{what}-on", True, what)
         torch.inference_mode = inference_mode  # type: ignore[misc]
         found[what] = {"tokens_equal": tokens_on == tokens_off, "steps": len(on),
-                       "quick": QUICK[1],
+                       "quick": QUICK[1], "planned": PLANNED[1],
+                       "rows": sorted({s["rows"] for s in on}),  # tapped rows per step
                        "deferred": sum(DEFERRED), "demoted": list(DEMOTED),
                        "dropped": [(i, s["dropped"]) for i, s in enumerate(on) if s["dropped"]],
                        "equal": [], "differ": []}

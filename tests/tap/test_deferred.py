@@ -69,6 +69,15 @@ def test_built_in_engine_deferred_equals_gathered_and_writes_are_caught() -> Non
     assert found["quick-strided"]["dropped"] == [] and found["quick-strided"]["demoted"] == []
     # Where a patch may split forwards' rows across ranks, no step runs quick.
     assert found["quick-split"]["quick"] == 0 and found["quick-split"]["dropped"] == []
+    # A quick step whose list matches the last one's plan is kept whole (QuickPlan): every
+    # quick step but the first of a run; not a step whose list differs (a new name, or
+    # other shapes once a request finished and the batch shrank), which is examined one by
+    # one and planned anew; never tensors with version counters or a strided one.
+    assert found["quick-none"]["planned"] == found["quick-none"]["quick"] - 1
+    assert found["quick-new"]["planned"] == found["quick-new"]["quick"] - 3
+    assert {2, 3} <= set(found["quick-shrink"]["rows"]) and found["quick-shrink"]["dropped"] == []
+    assert found["quick-shrink"]["planned"] == found["quick-shrink"]["quick"] - 2
+    assert found["quick-counted"]["planned"] == found["quick-strided"]["planned"] == 0
 
 
 def test_what_can_be_deferred() -> None:
@@ -93,17 +102,40 @@ def test_kept_without_a_view_is_hashed_like_its_row_view() -> None:
     assert deferred.keep("fast", prefill, words=prefill.nbytes // 8 // 4,
                          nbytes=prefill.nbytes) == 0  # 8 token rows of 128 bytes
     deferred.add("view", prefill.view(8, -1))
-    assert deferred.columns[0] == deferred.columns[1] == (prefill.data_ptr(), 32, 32)
+    assert _columns(deferred)[0] == _columns(deferred)[1] == (prefill.data_ptr(), 32, 32)
     assert deferred.tensors[0] is prefill
     strided = torch.zeros(8, 96, dtype=torch.bfloat16)[:, :64]  # rows 192 bytes apart
     assert deferred.accepts("strided", strided)
     deferred.add("strided", strided)
-    assert deferred.columns[2] == (strided.data_ptr(), 48, 32)
+    assert _columns(deferred)[2] == (strided.data_ptr(), 48, 32)
     assert deferred.held == prefill.nbytes + strided.shape[0] * strided.stride(0) * 2
     deferred.demoted["gone"] = "test"
     assert deferred.keep("gone", prefill, words=32, nbytes=prefill.nbytes) == -1
     assert deferred.keep("big", prefill, words=32, nbytes=1 << 20) == -1  # over the budget
-    assert len(deferred.tensors) == len(deferred.columns) == 3
+    assert len(deferred.tensors) == len(_columns(deferred)) == 3
+
+
+def _columns(deferred: DeferredHashes) -> list[tuple[int, int, int]]:
+    return list(zip(deferred.addresses, deferred.strides, deferred.widths, strict=True))
+
+
+def test_kept_as_a_list_equals_kept_one_by_one() -> None:
+    """A quick step's planned checkpoints are kept in one call: the same table, tensors,
+    names and bytes held as keeping them one by one."""
+    with torch.inference_mode():  # as an engine's forward makes them (no version counter)
+        tensors = [torch.randn(8, 64), torch.randn(8, 2, 16).to(torch.bfloat16)]
+    words = [64, 8]
+    one = DeferredHashes(torch.device("cpu"), budget=1 << 20)
+    many = DeferredHashes(torch.device("cpu"), budget=1 << 20)
+    for d in (one, many):
+        d.reset("decode", 1)
+        d.keep("first", tensors[0], words=64, nbytes=tensors[0].nbytes)
+    slots = [one.keep(n, t, words=w, nbytes=t.nbytes) for n, t, w in zip("ab", tensors, words)]
+    assert many.keep_listed(["a", "b"], tensors, [t.data_ptr() for t in tensors], words,
+                            sum(t.nbytes for t in tensors)) == slots[0] == 1
+    assert _columns(many) == _columns(one) and many.names == one.names == ["first", "a", "b"]
+    assert many.versions == one.versions and many.held == one.held
+    assert all(a is b for a, b in zip(many.tensors, one.tensors))
 
 def test_verification_and_version_counters() -> None:
     deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20, verify=2, verify_every=10)

@@ -38,3 +38,33 @@ def test_a_flipped_token_is_classified_by_its_gap(record: Recorder, margin: floa
     # every checkpoint agreed at that step: the split is the sampler's alone
     pair = next(p for p in find_pairs(run.rank(0)) if p.keys == ("r0", "r1"))
     assert not pair.split
+
+
+def test_a_masked_vocabulary_keeps_its_infinite_logits_in_the_record(record: Recorder) -> None:
+    # Constrained decoding: at step 2 one token is allowed for r0, every other logit is
+    # -inf. The runner-up's logit is written as -inf (not null), the other rows' finite.
+    def mask(wrapped, instance, args, kwargs):
+        out = wrapped(*args, **kwargs)
+        step = current_step()
+        if step is not None and step.step == 2:
+            b = step.rows.token_index[step.rows.rows_of_key("r0")[-1]]
+            logits = out.logits[b, -1]
+            keep = int(logits.argmax())
+            logits[:keep] = float("-inf")
+            logits[keep + 1:] = float("-inf")
+        return out
+
+    patches = PatchSet("test-mask")
+    patches.add(TARGET, mask)
+    with patches:
+        outputs, run = record("llama", requests(SAME))
+    steps = {s.step: s for s in run.rank(0).steps}
+    keys = [r["key"] for r in steps[2].rows]
+    masked = steps[2].sampler[keys.index("r0")]
+    assert masked["top2"] == float("-inf") and masked["gap"] == float("inf")
+    assert masked["argmax"] == outputs[0][2]
+    other = steps[2].sampler[keys.index("r1")]
+    assert all(isinstance(other[k], float) and abs(other[k]) < 1e30
+               for k in ("top1", "top2", "gap"))
+    # the other steps hold finite logits (written by the fast encoder)
+    assert all(abs(row["gap"]) < 1e30 for n, s in steps.items() if n != 2 for row in s.sampler)

@@ -29,7 +29,13 @@ try:  # a tenth of json's encoding time: records are written on the engine's hos
 except ImportError:  # pragma: no cover - a dependency; json writes the same lines
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["RankJsonl", "close_all", "encode_line", "encode_line_bytes"]
+__all__ = ["NonFinite", "RankJsonl", "close_all", "encode_line", "encode_line_bytes"]
+
+
+class NonFinite(dict):  # type: ignore[type-arg]
+    """A record that holds NaN or infinite floats: a ``fast`` writer encodes it with json,
+    which keeps them (orjson would write ``null``). Its maker, who knows where floats
+    are, returns this type only when it has to."""
 
 
 def encode_line(record: dict[str, Any], fast: bool = False) -> str:
@@ -79,7 +85,7 @@ class RankJsonl:
         """
         stamped = {"step": context.step_number() if step is None else step, "rank": self.rank,
                    **record}
-        line = encode_line_bytes(stamped, self.fast)
+        line = encode_line_bytes(stamped, self.fast and not isinstance(record, NonFinite))
         with _LOCK:
             fd = _OPEN.get(self.path)
             if fd is None:

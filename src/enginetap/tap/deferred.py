@@ -38,6 +38,7 @@ tests) and rows of 32-bit words at a 4-byte aligned address; anything else is st
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -67,9 +68,12 @@ class DeferredHashes:
     tensors: list[torch.Tensor] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    columns: list[tuple[int, int, int]] = field(default_factory=list)
+    addresses: list[int] = field(default_factory=list)
+    strides: list[int] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)
     """Per kept tensor: address, row stride and row width in 32-bit words (the hash
-    kernel's table, taken when the tensor is kept)."""
+    kernel's table, taken when the tensor is kept; three flat lists: one buffer copy
+    makes the table)."""
     checks: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, staged slot, deferred slot) of the checkpoints verified this step."""
     held: int = 0
@@ -86,7 +90,7 @@ class DeferredHashes:
     def reset(self, mode: str = "", step: int = 1) -> None:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
-        self.columns = []
+        self.addresses, self.strides, self.widths = [], [], []
         self.mode = mode
         self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
@@ -125,8 +129,8 @@ class DeferredHashes:
         """Keep ``source`` (accepted by :meth:`accepts`) to hash at step end; its slot
         among this step's deferred."""
         size = source.element_size()
-        return self._append(name, source, (source.data_ptr(), source.stride(0) * size // 4,
-                                           source.shape[1] * size // 4))
+        return self._append(name, source, source.data_ptr(), source.stride(0) * size // 4,
+                            source.shape[1] * size // 4)
 
     def keep(self, name: str, tensor: torch.Tensor, words: int, nbytes: int) -> int:
         """:meth:`accepts` and :meth:`add` in one call for a contiguous ``tensor`` of
@@ -137,10 +141,29 @@ class DeferredHashes:
         if name in self.demoted or self.held + nbytes > self.budget:
             return -1
         self.held += nbytes
-        return self._append(name, tensor, (tensor.data_ptr(), words, words))
+        return self._append(name, tensor, tensor.data_ptr(), words, words)
 
-    def _append(self, name: str, tensor: torch.Tensor, column: tuple[int, int, int]) -> int:
-        self.columns.append(column)
+    def keep_listed(self, names: list[str], tensors: list[torch.Tensor], addresses: list[int],
+                    words: list[int], nbytes: int) -> int:
+        """:meth:`keep` for many contiguous inference tensors at once (a quick step's
+        planned checkpoints, see :class:`~enginetap.tap.recorder.QuickPlan`; the caller
+        checked their layout, that no name is demoted and that ``nbytes`` fits the
+        budget): the slot of the first."""
+        first = len(self.tensors)
+        self.held += nbytes
+        self.addresses += addresses
+        self.strides += words
+        self.widths += words
+        self.tensors += tensors
+        self.versions += [None] * len(tensors)
+        self.names += names
+        return first
+
+    def _append(self, name: str, tensor: torch.Tensor, address: int, stride: int,
+                width: int) -> int:
+        self.addresses.append(address)
+        self.strides.append(stride)
+        self.widths.append(width)
         self.tensors.append(tensor)
         version = None if tensor.is_inference() else tensor._version
         if version is not None:
@@ -171,12 +194,13 @@ class DeferredHashes:
 
         if not self.tensors:
             return torch.zeros((0, index.numel()), dtype=torch.int64, device=self.device)
-        widths = [width for _, _, width in self.columns]
+        widths = self.widths
         widest = max(1, max(widths))
         self.hashed_bytes += sum(widths) * 4 * index.numel()
-        table = torch.tensor(self.columns, dtype=torch.int64).t().contiguous()
+        table = torch.frombuffer(array("q", self.addresses + self.strides + widths),
+                                 dtype=torch.int64).view(3, len(widths))
         out = kernels.hash_table_rows(table.to(self.device, non_blocking=True), index, widest)
-        self.tensors, self.columns = [], []
+        self.tensors, self.addresses, self.strides, self.widths = [], [], [], []
         return out
 
     def compare_flags(self, equal: torch.Tensor, names: list[str] | None = None) -> None:

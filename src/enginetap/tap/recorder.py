@@ -11,7 +11,10 @@ a no-op.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import operator
 import platform
 import re
 from typing import Any
@@ -20,7 +23,7 @@ import torch
 
 from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step, subscribe, unsubscribe
-from enginetap.core.jsonl import RankJsonl
+from enginetap.core.jsonl import NonFinite, RankJsonl
 from enginetap.core.rowsplit import join_rows
 from enginetap.core.sink import RecordSink
 from enginetap.core.tensors import capturing
@@ -32,7 +35,7 @@ from enginetap.tap.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
 
-__all__ = ["FORMAT", "TapRecorder", "outputs_of"]
+__all__ = ["FORMAT", "QuickPlan", "TapRecorder", "outputs_of"]
 
 FORMAT = "enginetap-tap"
 VERSION = 2
@@ -46,7 +49,8 @@ class TapRecorder:
     def __init__(self, context: ArmContext, options: TapOptions) -> None:
         self.context = context
         self.options = options
-        self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank)
+        self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank,
+                                fast=True)  # see _format
         self.sink = RecordSink(self.writer, deferred=torch.cuda.is_available(),
                                name="enginetap-tap-sink")
         self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)
@@ -88,6 +92,10 @@ class TapRecorder:
         """Step kinds whose last step verified nothing: their next steps may run quick."""
         self.quick_count = 0
         """Steps run quick since install (benchmarks, tests)."""
+        self.planned_count = 0
+        """Quick steps whose list was kept whole by its plan (benchmarks, tests)."""
+        self._plans: dict[str, QuickPlan] = {}
+        """By step kind: the plan of its last quick step's list (see :class:`QuickPlan`)."""
         self.last_quick = False
         self._clear()
 
@@ -137,6 +145,7 @@ class TapRecorder:
                             "model_type": getattr(config, "model_type", None),
                             "layers": getattr(config, "num_hidden_layers", None)})
         self._settled.clear()  # its checkpoint names are verified before any quick step
+        self._plans.clear()
 
     @property
     def active(self) -> bool:
@@ -272,10 +281,20 @@ class TapRecorder:
 
     def settle(self) -> None:
         """Examine the checkpoints a quick step listed, in order (see
-        :meth:`_start_quick`); later checkpoints of the step are examined at their call."""
+        :meth:`_start_quick`); later checkpoints of the step are examined at their call.
+        Where the list matches the plan of the last quick step of its kind
+        (:class:`QuickPlan`) it is kept whole; otherwise one by one, and a new plan made."""
         listed, self.quick = self.quick, None
         if not listed or self.step is None:
             return
+        deferred = self._only_deferred()
+        plan = self._plans.get(self.step.mode)
+        if deferred is not None and plan is not None:
+            if plan.keep(self, deferred, listed):
+                self.planned_count += 1
+                return
+            del self._plans[self.step.mode]
+        start, dropped, later = len(self.names), len(self.late_dropped), len(self._at_call_next)
         names, slots, late = self.names, self.slots, self._late
         for name, value in listed:
             if name is None:
@@ -288,6 +307,11 @@ class TapRecorder:
                 base = name[:-4]  # "<base>.out": a tuple's tensors are out, out1, ...
                 for suffix, tensor in outputs_of(value):
                     late(f"{base}.{suffix}", tensor)
+        if (deferred is not None and len(self.late_dropped) == dropped
+                and len(self._at_call_next) == later):
+            made = QuickPlan.make(self, deferred, listed, start)
+            if made is not None:
+                self._plans[self.step.mode] = made
 
     def _late(self, name: str, tensor: Any) -> None:
         """:meth:`checkpoint` for a checkpoint listed by a quick step, examined after the
@@ -675,6 +699,125 @@ class TapRecorder:
                            "to tap every sublayer", step.extra["compiled"])
 
 
+class QuickPlan:
+    """How a quick step's list was kept when every checkpoint in it was kept as it is
+    (contiguous inference tensors of token rows, one deferred slot each), so that the
+    next quick step of its kind that lists the same is kept in one call. The same means:
+    the same names in the same order (checkpoints examined at their call in the same
+    places), tensors of the same shapes on the deferring device (the hash reads bytes:
+    their dtype does not matter), contiguous,
+    made in inference mode (no version counter to compare), at 4-byte aligned addresses,
+    within the byte budget, the same number of token rows, no name demoted since. Each of
+    those is one C-level pass over the list, where examining the checkpoints one by one
+    costs a dozen Python operations each (BENCHMARKS.md: the settle loop). A list that
+    differs in anything is examined one by one, as without a plan, and planned anew."""
+
+    __slots__ = ("listed", "shapes", "uniques", "words", "nbytes", "padded",
+                 "demotions", "first", "device_index", "counts", "order", "slots", "markers")
+
+    def __init__(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @classmethod
+    def make(cls, recorder: TapRecorder, deferred: DeferredHashes,
+             listed: list[tuple[str | None, Any]], start: int) -> QuickPlan | None:
+        """The plan of ``listed``, just examined one by one into the recorder's names and
+        slots from ``start`` on with nothing left out; None where any checkpoint in it was
+        kept otherwise than as it is (a row view, a version counter to compare, staged)."""
+        names, slots = recorder.names[start:], recorder.slots[start:]
+        flat: list[torch.Tensor] = []
+        uniques: list[str] = []
+        counts: dict[str, int] = {}
+        markers: list[tuple[int, int]] = []
+        j = 0
+        for i, (name, value) in enumerate(listed):
+            if name is None:
+                if j >= len(names) or names[j] != value[:2]:
+                    return None
+                markers.append((i, j))
+                j += 1
+                continue
+            if isinstance(value, torch.Tensor):
+                called = [(name, value)]
+            elif isinstance(value, (tuple, list)):
+                called = [(f"{name[:-4]}.{suffix}", t) for suffix, t in outputs_of(value)]
+            else:
+                continue
+            for call, tensor in called:
+                if j >= len(names) or slots[j] >= 0 or not tensor.is_contiguous() \
+                        or not tensor.is_inference() or tensor.requires_grad \
+                        or not recorder._row_words(tensor):
+                    return None
+                counts[call] = counts.get(call, 0) + 1
+                uniques.append(names[j][1])
+                flat.append(tensor)
+                j += 1
+        if j != len(names) or not flat:
+            return None
+        at_call = {position for _, position in markers}
+        kept = [slot for k, slot in enumerate(slots) if k not in at_call]
+        first = -1 - kept[0]
+        if kept != list(range(-1 - first, -1 - first - len(kept), -1)) \
+                or len(deferred.tensors) != first + len(kept):
+            return None
+        index = flat[0].get_device()
+        if any(t.get_device() != index for t in flat) or recorder._fast.get(index) is not deferred:
+            return None
+        order: list[tuple[torch.device, str] | None] = list(names)
+        planned_slots: list[int | None] = list(slots)
+        for _, position in markers:
+            order[position] = planned_slots[position] = None
+        return cls(listed=[name for name, _ in listed], shapes=[t.shape for t in flat],
+                   uniques=uniques,
+                   words=[recorder._row_words(t) for t in flat],
+                   nbytes=sum(t.nbytes for t in flat), padded=recorder.padded,
+                   demotions=len(deferred.demoted), first=first, device_index=index,
+                   counts=counts, order=order, slots=planned_slots, markers=markers)
+
+    def keep(self, recorder: TapRecorder, deferred: DeferredHashes,
+             listed: list[tuple[str | None, Any]]) -> bool:
+        """Keep ``listed`` whole as planned, into ``deferred`` and the recorder's names
+        and slots; False (nothing kept) where it differs from the plan."""
+        if (len(listed) != len(self.listed) or recorder.padded != self.padded
+                or len(deferred.demoted) != self.demotions
+                or len(deferred.tensors) != self.first
+                or [name for name, _ in listed] != self.listed):
+            return False
+        flat: list[torch.Tensor] = []
+        add = flat.append
+        for name, value in listed:
+            if isinstance(value, torch.Tensor):
+                add(value)
+            elif name is not None and isinstance(value, (tuple, list)):
+                flat += [v for v in value if isinstance(v, torch.Tensor)]
+        if (len(flat) != len(self.uniques) or list(map(_SHAPE, flat)) != self.shapes
+                or not all(map(torch.Tensor.is_contiguous, flat))
+                or not all(map(torch.Tensor.is_inference, flat)) or any(map(_GRAD, flat))
+                or list(map(torch.Tensor.get_device, flat)).count(self.device_index)
+                != len(flat)):
+            return False
+        addresses = list(map(torch.Tensor.data_ptr, flat))
+        if functools.reduce(operator.or_, addresses, 0) & 3 \
+                or deferred.held + self.nbytes > deferred.budget:
+            return False
+        deferred.keep_listed(self.uniques, flat, addresses, self.words, self.nbytes)
+        recorder.counts.update(self.counts)
+        order, slots = self.order, self.slots
+        if self.markers:
+            order, slots = order.copy(), slots.copy()
+            for i, j in self.markers:
+                device, unique, slot = listed[i][1]
+                order[j], slots[j] = (device, unique), slot
+        recorder.names += order  # type: ignore[arg-type]
+        recorder.slots += slots  # type: ignore[arg-type]
+        return True
+
+
+_SHAPE = operator.attrgetter("shape")
+_GRAD = operator.attrgetter("requires_grad")
+
+
 _REPEAT = re.compile(r"#\d+$")
 _OUTPUT = re.compile(r"\.out\d+$")
 
@@ -707,8 +850,13 @@ def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]
         if extra:
             tail = flat[len(names) * k:].tolist()
             sampler = [tail[r * 4:r * 4 + 4] for r in range(k)]
-    return {**head, "hashes": [hashes[n] for n in head["checkpoints"]],
-            "sampler": [_sampler_row(s) for s in sampler]}
+    rows = [_sampler_row(s) for s in sampler]
+    record = {**head, "hashes": [hashes[n] for n in head["checkpoints"]], "sampler": rows}
+    # The sampler's logits are the record's only floats; a masked vocabulary (constrained
+    # decoding) makes them infinite, which only json writes as they are.
+    if all(math.isfinite(r["top1"]) and math.isfinite(r["top2"]) for r in rows):
+        return record
+    return NonFinite(record)
 
 
 def _sampler_row(packed: list[int]) -> dict[str, Any]:
