@@ -12,7 +12,6 @@ import re
 from typing import Any
 
 import pytest
-import torch
 
 from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet

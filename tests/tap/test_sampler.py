@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
@@ -14,15 +17,22 @@ SAME = ["the cache holds every key", "the cache holds every key", "decode"]
 TARGET = "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward"
 
 
+def _sampled_logits(out: Any, step_number: int, key: str) -> torch.Tensor | None:
+    """The logits row the engine samples request ``key``'s token from, at that step."""
+    step = current_step()
+    if step is None or step.step != step_number:
+        return None
+    b = step.rows.token_index[step.rows.rows_of_key(key)[-1]]
+    return out.logits[b, -1]
+
+
 @pytest.mark.parametrize("margin,kind", [(1e-5, "tie flip"), (5.0, "confident flip")])
 def test_a_flipped_token_is_classified_by_its_gap(record: Recorder, margin: float,
                                                   kind: str) -> None:
     def flip(wrapped, instance, args, kwargs):
         out = wrapped(*args, **kwargs)
-        step = current_step()
-        if step is not None and step.step == 2:
-            b = step.rows.token_index[step.rows.rows_of_key("r1")[-1]]
-            logits = out.logits[b, -1]
+        logits = _sampled_logits(out, 2, "r1")
+        if logits is not None:
             second = logits.topk(2).indices[1]
             logits[second] = logits.max() + margin  # the runner-up now wins, by margin
         return out
@@ -45,10 +55,8 @@ def test_a_masked_vocabulary_keeps_its_infinite_logits_in_the_record(record: Rec
     # -inf. The runner-up's logit is written as -inf (not null), the other rows' finite.
     def mask(wrapped, instance, args, kwargs):
         out = wrapped(*args, **kwargs)
-        step = current_step()
-        if step is not None and step.step == 2:
-            b = step.rows.token_index[step.rows.rows_of_key("r0")[-1]]
-            logits = out.logits[b, -1]
+        logits = _sampled_logits(out, 2, "r0")
+        if logits is not None:
             keep = int(logits.argmax())
             logits[:keep] = float("-inf")
             logits[keep + 1:] = float("-inf")
