@@ -17,6 +17,7 @@ import math
 import operator
 import platform
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -699,25 +700,41 @@ class TapRecorder:
                            "to tap every sublayer", step.extra["compiled"])
 
 
+@dataclass(slots=True)
 class QuickPlan:
     """How a quick step's list was kept when every checkpoint in it was kept as it is
     (contiguous inference tensors of token rows, one deferred slot each), so that the
     next quick step of its kind that lists the same is kept in one call. The same means:
     the same names in the same order (checkpoints examined at their call in the same
     places), tensors of the same shapes on the deferring device (the hash reads bytes:
-    their dtype does not matter), contiguous,
-    made in inference mode (no version counter to compare), at 4-byte aligned addresses,
-    within the byte budget, the same number of token rows, no name demoted since. Each of
-    those is one C-level pass over the list, where examining the checkpoints one by one
-    costs a dozen Python operations each (BENCHMARKS.md: the settle loop). A list that
-    differs in anything is examined one by one, as without a plan, and planned anew."""
+    their dtype does not matter), contiguous, made in inference mode (no version counter
+    to compare), at 4-byte aligned addresses, within the byte budget, the same number of
+    token rows, no name demoted since. Each of those is one C-level pass over the list,
+    where examining the checkpoints one by one costs a dozen Python operations each
+    (BENCHMARKS.md: the settle loop). A list that differs in anything is examined one by
+    one, as without a plan, and planned anew."""
 
-    __slots__ = ("listed", "shapes", "uniques", "words", "nbytes", "padded",
-                 "demotions", "first", "device_index", "counts", "order", "slots", "markers")
-
-    def __init__(self, **fields: Any) -> None:
-        for name, value in fields.items():
-            setattr(self, name, value)
+    listed: list[str | None]
+    """The list's names in order (None where a checkpoint taken at its call sits)."""
+    shapes: list[torch.Size]
+    uniques: list[str]
+    """Each kept tensor's checkpoint name (with its repeat count)."""
+    words: list[int]
+    """Each kept tensor's 32-bit words per token row."""
+    nbytes: int
+    padded: int
+    demotions: int
+    first: int
+    """The deferred slot of the first kept tensor."""
+    device_index: int
+    counts: dict[str, int]
+    """Calls per checkpoint name in the list (the recorder's repeat counts)."""
+    order: list[tuple[torch.device, str] | None]
+    slots: list[int | None]
+    """What the recorder's names and slots get, None where a checkpoint taken at its call
+    sits (filled from the list's marker)."""
+    markers: list[tuple[int, int]]
+    """(place in the list, place in ``order``) of each checkpoint taken at its call."""
 
     @classmethod
     def make(cls, recorder: TapRecorder, deferred: DeferredHashes,
@@ -769,8 +786,7 @@ class QuickPlan:
         for _, position in markers:
             order[position] = planned_slots[position] = None
         return cls(listed=[name for name, _ in listed], shapes=[t.shape for t in flat],
-                   uniques=uniques,
-                   words=[recorder._row_words(t) for t in flat],
+                   uniques=uniques, words=[recorder._row_words(t) for t in flat],
                    nbytes=sum(t.nbytes for t in flat), padded=recorder.padded,
                    demotions=len(deferred.demoted), first=first, device_index=index,
                    counts=counts, order=order, slots=planned_slots, markers=markers)
