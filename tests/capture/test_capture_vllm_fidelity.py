@@ -57,21 +57,23 @@ def model_dir(vllm_lock: None):
 
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory: pytest.TempPathFactory):
-    """``runs(model, armed=True, hide_amx=False)``: one vLLM run per distinct request."""
+    """``runs(model, armed=True, hide_amx=False, ssm="auto")``: one vLLM run per distinct
+    request (``ssm``: the gated-delta state pool's dtype, vLLM's mamba_ssm_cache_dtype)."""
     done: dict[tuple, CaptureRun] = {}
 
     def job(key: tuple) -> Callable[[], CaptureRun]:
-        model, armed, hide_amx = key
+        model, armed, hide_amx, ssm = key
         out = tmp_path_factory.mktemp(f"{model}-{'armed' if armed else 'plain'}"
-                                      f"{'-noamx' if hide_amx else ''}")
+                                      f"{'-noamx' if hide_amx else ''}-{ssm}")
         folder = model_dir(model)  # built here, not by two threads at once
-        return lambda: run_capture(folder, out, armed=armed, hide_amx=hide_amx)
+        return lambda: run_capture(folder, out, armed=armed, hide_amx=hide_amx, ssm_dtype=ssm)
 
-    def get(model: str, armed: bool = True, hide_amx: bool = False) -> Any:
-        key = (model, armed, hide_amx)
+    def get(model: str, armed: bool = True, hide_amx: bool = False, ssm: str = "auto") -> Any:
+        key = (model, armed, hide_amx, ssm)
         if not done:  # every run of this module, two engines at a time
-            keys: list[tuple] = [(m, a, False) for m in MODELS for a in (True, False)]
-            keys.append(("deepseek_v3", True, True))
+            keys: list[tuple] = [(m, a, False, "auto") for m in MODELS for a in (True, False)]
+            keys.append(("deepseek_v3", True, True, "auto"))
+            keys.append(("qwen3_next", True, False, "bfloat16"))
             jobs = [job(k) for k in keys]
             cli = tmp_path_factory.mktemp("cli-capture")
             model_dir("llama")
@@ -150,6 +152,20 @@ def test_receipts_name_request_step_layer_and_engine(runs):
         assert receipt["engine_version"].startswith("vllm")
         assert set(receipt["request_ids"]) <= set(run.tokens)
         assert "snapshotted before the call" in str(receipt["notes"])
+
+
+def test_a_16_bit_state_pool_is_captured_widened_and_replays(runs):
+    # vLLM CPU keeps the gated-delta state pool in the model's dtype where the CPU lacks
+    # AVX-512 BF16 (mamba_ssm_cache_dtype "auto"), in float32 elsewhere; asked for bf16 it
+    # keeps bf16 on every CPU. The states are widened to float32 and replay within the
+    # definition's state tolerance; the receipt says so.
+    run = runs("qwen3_next", ssm="bfloat16")
+    assert {"gdn_prefill", "gdn_decode"} <= families(run.dataset), families(run.dataset)
+    statuses, failures = replay_failures(run.dataset)
+    assert statuses and not failures, "\n".join(failures)
+    for family in ("gdn_prefill", "gdn_decode"):
+        found = receipts(run.dataset, family)
+        assert found and all("state pool in bfloat16" in str(r["notes"]) for r in found)
 
 
 def test_the_path_without_amx_captures_and_replays(runs):

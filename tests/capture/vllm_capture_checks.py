@@ -35,7 +35,7 @@ class CaptureRun:
 
 def run_capture(model: Path, out: Path, *, armed: bool = True, tp: int = 1,
                 hide_amx: bool = False, timeout: float = 400,
-                capture: dict | None = None) -> CaptureRun:
+                capture: dict | None = None, ssm_dtype: str = "auto") -> CaptureRun:
     """Run the fixed workload on vLLM CPU in a child process (armed with capture, with
     ``capture`` options, or not)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +47,7 @@ def run_capture(model: Path, out: Path, *, armed: bool = True, tp: int = 1,
         (out / "arming.json").write_text(json.dumps(config))
         env["ENGINETAP_CONFIG"] = str(out / "arming.json")
     args = [sys.executable, str(RUN_SCRIPT), str(model), str(out / "report.json"),
-            "--tp", str(tp), *(["--hide-amx"] if hide_amx else [])]
+            "--tp", str(tp), *(["--hide-amx"] if hide_amx else []), "--ssm-dtype", ssm_dtype]
     log_path = out / "run.log"
     with log_path.open("wb") as sink:
         proc = subprocess.run(args, env=env, stdout=sink, stderr=subprocess.STDOUT,

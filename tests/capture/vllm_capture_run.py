@@ -26,7 +26,7 @@ def prompts(vocab: int = 512, seed: int = 1) -> dict[str, list[int]]:
     return out
 
 
-def make_llm(model: str, tp: int):
+def make_llm(model: str, tp: int, ssm_dtype: str = "auto"):
     import torch
     from vllm import LLM
 
@@ -37,13 +37,13 @@ def make_llm(model: str, tp: int):
     return LLM(model=model, tensor_parallel_size=tp, block_size=block_size,
                gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256,
                max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
-               enable_chunked_prefill=True, seed=0)
+               enable_chunked_prefill=True, seed=0, mamba_ssm_cache_dtype=ssm_dtype)
 
 
-def run(model: str, tp: int) -> dict[str, dict]:
+def run(model: str, tp: int, ssm_dtype: str = "auto") -> dict[str, dict]:
     from vllm import SamplingParams
 
-    engine = make_llm(model, tp).llm_engine
+    engine = make_llm(model, tp, ssm_dtype).llm_engine
     texts = prompts()
     done: dict[str, dict] = {}
 
@@ -78,12 +78,16 @@ def main() -> None:
     parser.add_argument("--hide-amx", action="store_true",
                         help="make vLLM believe the CPU lacks AMX (TP=1, in-process only): "
                              "it then takes the kernels an AMD AVX-512 machine runs")
+    parser.add_argument("--ssm-dtype", default="auto",
+                        help="vLLM's mamba_ssm_cache_dtype (the gated-delta state pool's dtype: "
+                             "auto keeps the model's on CPUs without AVX-512 BF16, float32 on "
+                             "the others)")
     args = parser.parse_args()
     if args.hide_amx:
         import torch
 
         torch.cpu._is_amx_tile_supported = lambda: False
-    requests = run(args.model, args.tp)
+    requests = run(args.model, args.tp, args.ssm_dtype)
     with open(args.out, "w") as f:
         json.dump({"requests": requests}, f)
 

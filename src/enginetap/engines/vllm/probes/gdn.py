@@ -35,8 +35,16 @@ def _tokens_first(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:]) if t.dim() == 4 else t.reshape(-1, t.shape[-1])
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""State pool dtypes captured: float32, or the model's dtype where vLLM CPU keeps
+``mamba_ssm_cache_dtype="auto"`` (it forces float32 only where the CPU has AVX-512 BF16, for
+its accelerated kernels; elsewhere, e.g. AVX2 on AMD EPYC, the pool is bf16). A 16-bit
+state is widened to float32 exactly; the definition's state tolerance (1e-2) holds the
+engine's rounding of the state it writes (2**-9 relative for bf16)."""
+
+
 def _define(call: ProbeCall, family: str, q: Any, v: Any, pool: Any) -> Definition | None:
-    if q is None or v is None or DTYPES.get(q.dtype) is None or pool.dtype != torch.float32:
+    if q is None or v is None or DTYPES.get(q.dtype) is None or pool.dtype not in STATE_DTYPES:
         return None
     if not call.args.get("use_qk_l2norm_in_kernel") or call.args.get("head_first"):
         return None
@@ -84,11 +92,16 @@ def _gathered(call: ProbeCall, named: dict[str, torch.Tensor]) -> dict[str, Any]
     return None if any(t is None for t in out.values()) else out
 
 
-def _notes(call: ProbeCall, extra: list[str]) -> list[str]:
+def _notes(call: ProbeCall, pool: torch.Tensor, extra: list[str]) -> list[str]:
     notes = ["state pool slots snapshotted before the call (initial) and read after it "
              "(final): the kernel updates them in place",
              "scale = head_size ** -0.5: the kernel applies it internally (not an argument)",
              *extra]
+    if pool.dtype != torch.float32:
+        notes.append(f"the engine keeps the state pool in {str(pool.dtype).split('.')[-1]} "
+                     "(vLLM CPU's mamba_ssm_cache_dtype 'auto' on a CPU without AVX-512 "
+                     "BF16): both states widened to float32 exactly; the state it wrote is "
+                     "rounded to that dtype")
     if tp_world(call) > 1:
         notes.append(f"TP={tp_world(call)}: heads gathered from every rank in rank order")
     return notes
@@ -100,8 +113,8 @@ def _adapt_prefill(call: ProbeCall) -> Extracted:
     named = {"q": _tokens_first(args["query"]), "k": _tokens_first(args["key"]),
              "v": _tokens_first(args["value"]), "g": _tokens_first(args["g"]).float(),
              "beta": _tokens_first(args["beta"]).float(),
-             "initial_state": call.before["state"],
-             "final_state": args["initial_state"][_slots(call)].clone(),
+             "initial_state": call.before["state"].float(),
+             "final_state": args["initial_state"][_slots(call)].float(),
              "output": _tokens_first(output)}
     parts = _gathered(call, named)
     if parts is None:
@@ -110,8 +123,9 @@ def _adapt_prefill(call: ProbeCall) -> Extracted:
     inputs["cu_seqlens"] = args["cu_seqlens"].to(torch.int32)
     inputs["scale"] = float(parts["q"].shape[-1]) ** -0.5
     outputs = {"output": parts["output"], "final_state": parts["final_state"]}
-    return Extracted(inputs, outputs, _notes(call, ["g and beta as fused_gdn_gating_cpu "
-                                                    "computed them for this call"]))
+    return Extracted(inputs, outputs, _notes(call, args["initial_state"],
+                                             ["g and beta as fused_gdn_gating_cpu computed "
+                                              "them for this call"]))
 
 
 def _gates(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +144,9 @@ def _adapt_decode(call: ProbeCall) -> Extracted:
     g, beta = _gates(args)
     heads_v = _tokens_first(args["v"]).shape[1]
     named = {"q": _tokens_first(args["q"]), "k": _tokens_first(args["k"]),
-             "v": _tokens_first(args["v"]), "g": g, "beta": beta, "state": call.before["state"],
-             "new_state": args["initial_state_source"][_slots(call)].clone(),
+             "v": _tokens_first(args["v"]), "g": g, "beta": beta,
+             "state": call.before["state"].float(),
+             "new_state": args["initial_state_source"][_slots(call)].float(),
              "output": call.result.reshape(-1, heads_v, call.result.shape[-1])}
     parts = _gathered(call, named)
     if parts is None:
@@ -141,7 +156,7 @@ def _adapt_decode(call: ProbeCall) -> Extracted:
     outputs = {"output": parts["output"], "new_state": parts["new_state"]}
     note = ("g and beta computed from the kernel's A_log, a, dt_bias, b in float32 "
             "(the decode kernel fuses its gating)")
-    return Extracted(inputs, outputs, _notes(call, [note]))
+    return Extracted(inputs, outputs, _notes(call, args["initial_state_source"], [note]))
 
 
 GDN_PROBES = [
