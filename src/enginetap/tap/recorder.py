@@ -745,6 +745,8 @@ class QuickPlan:
         names, slots = recorder.names[start:], recorder.slots[start:]
         flat: list[torch.Tensor] = []
         uniques: list[str] = []
+        words: list[int] = []
+        kept: list[int] = []
         counts: dict[str, int] = {}
         markers: list[tuple[int, int]] = []
         j = 0
@@ -762,18 +764,18 @@ class QuickPlan:
             else:
                 continue
             for call, tensor in called:
+                row_words = recorder._row_words(tensor)
                 if j >= len(names) or slots[j] >= 0 or not tensor.is_contiguous() \
-                        or not tensor.is_inference() or tensor.requires_grad \
-                        or not recorder._row_words(tensor):
+                        or not tensor.is_inference() or tensor.requires_grad or not row_words:
                     return None
                 counts[call] = counts.get(call, 0) + 1
                 uniques.append(names[j][1])
+                words.append(row_words)
+                kept.append(slots[j])
                 flat.append(tensor)
                 j += 1
         if j != len(names) or not flat:
             return None
-        at_call = {position for _, position in markers}
-        kept = [slot for k, slot in enumerate(slots) if k not in at_call]
         first = -1 - kept[0]
         if kept != list(range(-1 - first, -1 - first - len(kept), -1)) \
                 or len(deferred.tensors) != first + len(kept):
@@ -786,7 +788,7 @@ class QuickPlan:
         for _, position in markers:
             order[position] = planned_slots[position] = None
         return cls(listed=[name for name, _ in listed], shapes=[t.shape for t in flat],
-                   uniques=uniques, words=[recorder._row_words(t) for t in flat],
+                   uniques=uniques, words=words,
                    nbytes=sum(t.nbytes for t in flat), padded=recorder.padded,
                    demotions=len(deferred.demoted), first=first, device_index=index,
                    counts=counts, order=order, slots=planned_slots, markers=markers)
@@ -805,8 +807,8 @@ class QuickPlan:
         for name, value in listed:
             if isinstance(value, torch.Tensor):
                 add(value)
-            elif name is not None and isinstance(value, (tuple, list)):
-                flat += [v for v in value if isinstance(v, torch.Tensor)]
+            elif name is not None and isinstance(value, (tuple, list)):  # outputs_of's
+                flat += [v for v in value if isinstance(v, torch.Tensor)]  # tensors, unnamed
         if (len(flat) != len(self.uniques) or list(map(_SHAPE, flat)) != self.shapes
                 or not all(map(torch.Tensor.is_contiguous, flat))
                 or not all(map(torch.Tensor.is_inference, flat)) or any(map(_GRAD, flat))
