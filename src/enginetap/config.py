@@ -31,10 +31,8 @@ disarmed (the vLLM plugin) check it before importing anything else.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import stat
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -149,26 +147,29 @@ def parse_options(model: type[OptionsT], raw: Any, what: str, fix: str) -> Optio
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
+    from enginetap.core.files import NotRegular, read_capped
+    from enginetap.core.untrusted_json import BadJson, loads_bounded
+
     fix = "write the file as a JSON object of ArmConfig fields"
     try:
-        info = path.stat()
+        raw = read_capped(path, MAX_CONFIG_BYTES)
+    except (FileNotFoundError, NotRegular) as exc:
+        if isinstance(exc, FileNotFoundError) or str(exc) == "is missing":
+            raise ConfigError(f"config file {path} cannot be read", "it does not exist",
+                              "point ENGINETAP_CONFIG at an existing JSON file") from None
+        raise ConfigError(f"config file {path} is not a regular file", f"it {exc}",
+                          "point ENGINETAP_CONFIG at a JSON file") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read", exc.strerror or str(exc),
-                          "point ENGINETAP_CONFIG at an existing JSON file") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"config file {path} is not a regular file",
-                          "it is a directory or a special file", fix)
-    if info.st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is too large", f"{info.st_size} bytes", fix)
+                          fix) from None
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read", str(exc), fix) from None
+        data = loads_bounded(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not UTF-8 text", "it holds binary data",
                           fix) from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON", str(exc), fix) from None
+    except BadJson as exc:
+        raise ConfigError(f"config file {path} is not a valid arming config", str(exc),
+                          fix) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} is not a JSON object", f"it holds {type(data).__name__}",
                           "write the file as a JSON object of ArmConfig fields")

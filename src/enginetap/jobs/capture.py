@@ -203,7 +203,7 @@ def _run_builtin(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConf
 
     engine = HFEngine(model_dir, device=job.device, arm=config)
     try:
-        runtime = engine.arming.context.notes["capture"] if engine.arming else None
+        runtime = engine.arming.context.notes.get("capture") if engine.arming else None
         if runtime is None or not runtime.installed_targets:
             raise ConfigError(f"no capture probe matches the model in {model_dir}",
                               "the built-in engine's probes do not cover its layers",
