@@ -70,6 +70,7 @@ def derive(
     """Derive a profile (percentiles, subagent, auxiliary, reuse, overlap, arrivals); save it."""
     from enginetap.traffic import resolve_profile, save_profile
 
+    _refuse_own_input(spec, out_path)
     profile = resolve_profile(spec, max_context=max_context, max_output_tokens=max_output,
                               seed=seed)
     path = save_profile(profile, out_path)
@@ -77,3 +78,18 @@ def derive(
               f"{len(profile.overlap_groups)} overlap groups, {len(profile.replays)} replays, "
               f"scale {profile.scale:.6g}", highlight=False)
     out.print(str(path), highlight=False, soft_wrap=True)
+
+
+def _refuse_own_input(spec: str, out_path: Path) -> None:
+    """``--out`` may not be the file the profile is derived from (by any name)."""
+    from enginetap.core.files import same_file
+    from enginetap.errors import TrafficError
+
+    kind, _, rest = spec.partition(":")
+    if kind == "builtin" and rest:
+        return
+    source = Path(rest if kind in ("mooncake", "agentx") and rest else spec)
+    if same_file(out_path, source):
+        raise TrafficError(f"--out {out_path} is the input {source}",
+                           "writing the profile there would replace the trace it is derived from",
+                           "pass another --out file")

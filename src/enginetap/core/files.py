@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["NotRegular", "file_kind", "iter_lines", "open_regular", "path_of_fd", "read_capped"]
+__all__ = ["NotRegular", "file_kind", "iter_lines", "open_regular", "path_of_fd", "read_capped",
+           "same_file"]
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -124,3 +125,16 @@ def iter_lines(path: Path, limit: int) -> Iterator[tuple[int, bytes | None]]:
                 yield lineno, None
                 continue
             yield lineno, raw.removesuffix(b"\n")
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` would write (or replace) the file ``b``: the same path once
+    ``..`` and symlinks are resolved, or the same inode (a hard link, a bind mount).
+    A symlink at ``a`` leading to ``b`` counts: replacing it would lose the user's link."""
+    a, b = Path(a), Path(b)
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte: not the same
+        return False

@@ -24,9 +24,13 @@ MAX_INT_DIGITS = 40
 class BadJson(ValueError):
     """The text is not JSON, or is nested or sized beyond the bounds; ``str()`` says why."""
 
-    def __init__(self, why: str, line: int | None = None) -> None:
+    def __init__(self, why: str, line: int | None = None, column: int | None = None,
+                 msg: str = "") -> None:
         super().__init__(why)
-        self.line = line
+        self.line, self.column = line, column
+        """Where a syntax error is (1-based), when it is one."""
+        self.msg = msg or why
+        """The syntax error alone (json's words), or ``why``."""
 
 
 def _parse_int(text: str) -> int:
@@ -63,12 +67,13 @@ def loads_bounded(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     except BadJson:
         raise
     except json.JSONDecodeError as exc:
-        raise BadJson(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
-                      exc.lineno) from None
+        where = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
+        raise BadJson(f"not JSON ({exc.msg} at {where})", exc.lineno, exc.colno,
+                      exc.msg) from None
     except RecursionError:
         raise BadJson(f"nested too deeply (more than {max_depth} levels)") from None
     except (ValueError, OverflowError) as exc:  # e.g. a float literal beyond the range
-        raise BadJson(f"not valid JSON ({type(exc).__name__})") from None
+        raise BadJson(f"not JSON ({type(exc).__name__})") from None
     if not _depth_at_most(value, max_depth):
         raise BadJson(f"nested too deeply (more than {max_depth} levels)")
     return value

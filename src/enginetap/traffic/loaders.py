@@ -11,24 +11,32 @@
 ``overlap_profiles`` (``label``, ``session_id``, ``requests`` submitted together). Block
 ids are per session. Other keys of a record (descriptive metadata) are ignored.
 
-Every bad record is reported with its line number and the field at fault.
+Every bad record is reported with its line number and the field at fault. Only regular
+files of at most :data:`MAX_TRACE_BYTES` are read (a FIFO or ``/dev/zero`` is refused, not
+waited on or read forever); JSON is parsed with depth and integer-size bounds
+(:func:`~enginetap.core.untrusted_json.loads_bounded`), and token counts are bounded by
+:data:`~enginetap.traffic.profile.MAX_TOKENS`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from enginetap.core.untrusted_json import MAX_INT_DIGITS, BadJson, loads_bounded
 from enginetap.errors import TrafficError, describe_validation
 from enginetap.traffic.profile import (
-    CachePredecessor, OverlapGroup, RequestProfile, TrafficProfile, blocks_needed)
+    MAX_TOKENS, MAX_TRACE_BYTES, CachePredecessor, OverlapGroup, RequestProfile, TrafficProfile,
+    blocks_needed, read_trace_file)
 
-__all__ = ["MOONCAKE_BLOCK", "MooncakeRecord", "MooncakeTrace", "load_agentx", "load_mooncake"]
+__all__ = ["MAX_TRACE_BYTES", "MOONCAKE_BLOCK", "MooncakeRecord", "MooncakeTrace", "load_agentx",
+           "load_mooncake"]
 
 MOONCAKE_BLOCK = 512
 """Tokens per hash block in the Mooncake traces."""
@@ -41,9 +49,9 @@ class MooncakeRecord(BaseModel):
 
     timestamp: int = Field(ge=0)
     """Arrival time in milliseconds, relative to the trace's start."""
-    input_length: int = Field(ge=1)
+    input_length: int = Field(ge=1, le=MAX_TOKENS)
     """Prompt tokens."""
-    output_length: int = Field(ge=1)
+    output_length: int = Field(ge=1, le=MAX_TOKENS)
     """Generated tokens."""
     hash_ids: list[int] = Field(min_length=1)
     """Prefix-block hashes, 512 tokens a block; equal ids are reusable KV blocks."""
@@ -71,14 +79,6 @@ class MooncakeTrace:
         return f"{self.path.name}:{self.lines[index]}"
 
 
-def _read(path: Path, kind: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise TrafficError(f"cannot read {kind} {path}", exc.strerror or str(exc),
-                           "check the path") from None
-
-
 def _bad_record(path: Path, line: int, why: str, fix: str) -> TrafficError:
     return TrafficError(f"bad record at {path}:{line}", why, fix)
 
@@ -91,7 +91,7 @@ def load_mooncake(path: str | Path) -> MooncakeTrace:
             misses/mistypes a field (the message names the line and the field).
     """
     path = Path(path)
-    raw = _read(path, "Mooncake trace")
+    raw = read_trace_file(path, "Mooncake trace")
     records: list[MooncakeRecord] = []
     lines: list[int] = []
     for number, text in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
@@ -108,10 +108,9 @@ def load_mooncake(path: str | Path) -> MooncakeTrace:
 def _mooncake_record(path: Path, number: int, text: str) -> MooncakeRecord:
     fix = "each line must be {timestamp, input_length, output_length, hash_ids}"
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _bad_record(path, number, f"not JSON ({exc.msg} at column {exc.colno})",
-                          fix) from None
+        data = loads_bounded(text)
+    except BadJson as exc:
+        raise _bad_record(path, number, str(exc), fix) from None
     if not isinstance(data, dict):
         raise _bad_record(path, number, f"a JSON {type(data).__name__}, not an object", fix)
     try:
@@ -123,7 +122,7 @@ def _mooncake_record(path: Path, number: int, text: str) -> MooncakeRecord:
 class _AgentXPredecessor(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    input_tokens: int
+    input_tokens: int = Field(le=MAX_TOKENS)
     hash_ids: list[int]
     locator: str | None = None
 
@@ -132,10 +131,10 @@ class _AgentXRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     label: str | None = None
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int = Field(le=MAX_TOKENS)
+    output_tokens: int = Field(le=MAX_TOKENS)
     hash_ids: list[int]
-    block_size: int
+    block_size: int = Field(le=MAX_TOKENS)
     session_id: str | None = None
     cache_predecessor: _AgentXPredecessor | None = None
 
@@ -157,8 +156,8 @@ class _AgentXFile(BaseModel):
 
     dataset: str
     revision: str
-    profiles: list[dict[str, Any]] = Field(default_factory=list)
-    overlap_profiles: list[dict[str, Any]] = Field(default_factory=list)
+    profiles: list[Any] = Field(default_factory=list)
+    overlap_profiles: list[Any] = Field(default_factory=list)
 
 
 def _line_of(text: str, label: str | None) -> int | None:
@@ -181,8 +180,13 @@ def _request(rec: _AgentXRequest, label: str, session: str | None) -> RequestPro
             input_tokens=pred.input_tokens, hash_ids=pred.hash_ids, locator=pred.locator))
 
 
-def _convert(path: Path, text: str, where: str, entry: dict[str, Any], build: Any) -> Any:
+def _convert(path: Path, text: str, where: str, entry: Any, build: Any) -> Any:
     label = entry.get("label") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        raise TrafficError(f"bad AgentX record {where} at {path}",
+                           f"a JSON {type(entry).__name__}, not an object",
+                           "each profile is an object with label, input_tokens, "
+                           "output_tokens, hash_ids and block_size")
     try:
         return build(entry)
     except ValidationError as exc:
@@ -190,6 +194,22 @@ def _convert(path: Path, text: str, where: str, entry: dict[str, Any], build: An
         at = f"{path}:{line}" if line else str(path)
         raise TrafficError(f"bad AgentX record {where} (label {label!r}) at {at}",
                            describe_validation(exc), "fix the named fields") from None
+
+
+_LONG_INT = re.compile(rf"\d{{{MAX_INT_DIGITS + 1},}}")
+
+
+def _parse_agentx(path: Path, text: str) -> Any:
+    try:
+        return loads_bounded(text)
+    except BadJson as exc:
+        if exc.line is not None:
+            raise TrafficError(f"AgentX file {path} line {exc.line} column {exc.column} is "
+                               "not valid JSON", exc.msg, "fix the JSON syntax there") from None
+        long_int = _LONG_INT.search(text)
+        at = f"{path}:{text.count(chr(10), 0, long_int.start()) + 1}" if long_int else str(path)
+        raise TrafficError(f"bad record at {at}", str(exc), "AgentX shapes hold token "
+                           "counts and block ids, a few levels deep") from None
 
 
 def _single(entry: dict[str, Any]) -> RequestProfile:
@@ -212,14 +232,11 @@ def load_agentx(path: str | Path, *, seed: int = 0) -> TrafficProfile:
             key, or a bad record (its list index, label, line and field).
     """
     path = Path(path)
-    raw = _read(path, "AgentX file")
+    raw = read_trace_file(path, "AgentX file")
     text = raw.decode("utf-8", errors="replace")
+    data = _parse_agentx(path, text)
     try:
-        data = json.loads(text)
         doc = _AgentXFile.model_validate(data)
-    except json.JSONDecodeError as exc:
-        raise TrafficError(f"AgentX file {path} line {exc.lineno} column {exc.colno} is not "
-                           "valid JSON", exc.msg, "fix the JSON syntax there") from None
     except ValidationError as exc:
         raise TrafficError(f"AgentX file {path} is invalid", describe_validation(exc),
                            "it needs dataset, revision, profiles and overlap_profiles") from None

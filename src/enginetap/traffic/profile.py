@@ -8,16 +8,25 @@ rebuilds the tokens. A profile is data: it is saved beside what it produced.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from enginetap.core.files import NotRegular, read_capped
+from enginetap.core.untrusted_json import BadJson, loads_bounded
 from enginetap.errors import TrafficError, describe_validation
 
-__all__ = ["ArrivalReplay", "CachePredecessor", "OverlapGroup", "RequestProfile",
-           "TrafficProfile", "blocks_needed", "load_profile", "save_profile"]
+__all__ = ["MAX_TOKENS", "MAX_TRACE_BYTES", "ArrivalReplay", "CachePredecessor", "OverlapGroup",
+           "RequestProfile", "TrafficProfile", "blocks_needed", "load_profile", "read_trace_file",
+           "save_profile"]
+
+MAX_TRACE_BYTES = 256 << 20
+"""Largest trace or profile file read (the public Mooncake traces are a few MB)."""
+
+MAX_TOKENS = 1 << 24
+"""Most tokens a request's prompt or output (or a block) may have: 16,777,216, far beyond
+any model's context; a count above it is a corrupt or hostile trace."""
 
 
 def blocks_needed(input_tokens: int, block_size: int) -> int:
@@ -43,7 +52,7 @@ class CachePredecessor(_Model):
     It shares the request's ``block_size`` and ``session``; it is sent with one output token.
     """
 
-    input_tokens: int = Field(ge=1)
+    input_tokens: int = Field(ge=1, le=MAX_TOKENS)
     """Prompt length of the predecessor, in tokens."""
     hash_ids: list[int] = Field(min_length=1)
     """The predecessor's hash blocks; ids it shares with the request give cache hits."""
@@ -56,13 +65,13 @@ class RequestProfile(_Model):
 
     label: str = Field(min_length=1)
     """Name of the request within its profile (e.g. ``context_p50``)."""
-    input_tokens: int = Field(ge=1)
+    input_tokens: int = Field(ge=1, le=MAX_TOKENS)
     """Exact prompt length in tokens."""
-    output_tokens: int = Field(ge=1)
+    output_tokens: int = Field(ge=1, le=MAX_TOKENS)
     """Tokens to generate (EOS ignored where the engine allows)."""
     hash_ids: list[int] = Field(min_length=1)
     """Prompt blocks in order; ``len == ceil(input_tokens / block_size)``."""
-    block_size: int = Field(ge=1)
+    block_size: int = Field(ge=1, le=MAX_TOKENS)
     """Tokens per hash block (the last block may be partial)."""
     session: str | None = None
     """Namespace of the block ids (AgentX sessions); None: ids are global (Mooncake)."""
@@ -157,6 +166,23 @@ class TrafficProfile(_Model):
         return self
 
 
+def read_trace_file(path: Path, kind: str) -> bytes:
+    """The bytes of ``path``, a regular file of at most :data:`MAX_TRACE_BYTES`.
+
+    Raises:
+        TrafficError: missing, not a regular file (a FIFO, a device, a directory), too
+            large or unreadable.
+    """
+    try:
+        return read_capped(path, MAX_TRACE_BYTES)
+    except NotRegular as exc:
+        raise TrafficError(f"cannot read {kind} {path}", f"it {exc}",
+                           "pass a regular file") from None
+    except OSError as exc:
+        raise TrafficError(f"cannot read {kind} {path}", exc.strerror or str(exc),
+                           "check the path") from None
+
+
 def load_profile(path: str | Path) -> TrafficProfile:
     """Read a profile saved by :func:`save_profile`.
 
@@ -165,16 +191,15 @@ def load_profile(path: str | Path) -> TrafficProfile:
             is invalid (named by its path, e.g. ``requests.2.hash_ids``).
     """
     path = Path(path)
+    text = read_trace_file(path, "traffic profile").decode("utf-8", errors="replace")
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TrafficError(f"cannot read traffic profile {path}", exc.strerror or str(exc),
-                           "check the path") from None
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TrafficError(f"traffic profile {path} line {exc.lineno} column {exc.colno} is not "
-                           "valid JSON", exc.msg, "fix the JSON syntax there") from None
+        data: Any = loads_bounded(text)
+    except BadJson as exc:
+        if exc.line is None:
+            raise TrafficError(f"traffic profile {path} is invalid", str(exc),
+                               "load a profile `enginetap traffic derive` wrote") from None
+        raise TrafficError(f"traffic profile {path} line {exc.line} column {exc.column} is "
+                           "not valid JSON", exc.msg, "fix the JSON syntax there") from None
     try:
         return TrafficProfile.model_validate(data)
     except ValidationError as exc:
