@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from enginetap.core.isolated import Child, ChildDied
 from enginetap.errors import ConfigError, PatchError, ProblemsError, describe_validation
@@ -33,6 +33,9 @@ __all__ = ["Drift", "DriftError", "GuardLock", "IsolatedReader", "LockEntry", "c
            "diff_lock", "pin"]
 
 Reader = Callable[[str], TargetSource]
+
+MAX_LOCK_BYTES = 16 << 20
+"""Largest lock file read (a lock of a thousand targets is about 300 KB)."""
 
 
 class LockEntry(BaseModel):
@@ -62,6 +65,16 @@ class GuardLock(BaseModel):
     entries: list[LockEntry] = Field(min_length=1)
     """Pinned targets, sorted by target (at least one)."""
 
+    @model_validator(mode="after")
+    def _validate_unique(self) -> GuardLock:
+        seen: set[str] = set()
+        for entry in self.entries:
+            if entry.target in seen:
+                raise ValueError(f"entries: the lock lists {entry.target} twice (a lock pins "
+                                 "each target once)")
+            seen.add(entry.target)
+        return self
+
     def model_post_init(self, context: object) -> None:
         self.entries = sorted(self.entries, key=lambda e: e.target)
 
@@ -86,15 +99,28 @@ class GuardLock(BaseModel):
     def load(cls, path: str | Path) -> GuardLock:
         """Read a lock file.
 
+        Only a regular file of at most :data:`MAX_LOCK_BYTES` is read (a FIFO or a device
+        is refused, not waited on).
+
         Raises:
-            ConfigError: the file is missing, not JSON, or not a guard lock.
+            ConfigError: the file is missing, not a regular file, too large, not JSON, not
+                a guard lock, or lists a target twice.
         """
+        from enginetap.core.files import NotRegular, read_capped
+
         path = Path(path)
         try:
-            return cls.model_validate_json(path.read_bytes())
+            return cls.model_validate_json(read_capped(path, MAX_LOCK_BYTES))
         except FileNotFoundError:
             raise ConfigError(f"guard lock {path} not found", "the patch or command names it",
                               "create it with 'enginetap guard pin TARGET... -o FILE'") from None
+        except NotRegular as exc:
+            if str(exc) == "is missing":
+                raise ConfigError(f"guard lock {path} not found", "the patch or command names "
+                                  "it", "create it with 'enginetap guard pin TARGET... -o FILE'"
+                                  ) from None
+            raise ConfigError(f"cannot read the guard lock {path}", f"it {exc}",
+                              "point at the lock file 'enginetap guard pin' wrote") from None
         except OSError as exc:
             raise ConfigError(f"cannot read the guard lock {path}", exc.strerror or str(exc),
                               "point at the lock file 'enginetap guard pin' wrote") from None
