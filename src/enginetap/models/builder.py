@@ -129,8 +129,12 @@ def _make_readable(folder: Path, files: list[str]) -> None:
         (folder / f).chmod(0o666 & ~umask)
 
 
-def _clear_target(target: Path, name: str, seed: int, force: bool) -> None:
-    """Remove an existing ``target`` we may replace; refuse to delete anything else."""
+def _clear_target(target: Path, name: str, seed: int, force: bool, cache: bool) -> None:
+    """Remove an existing ``target`` we may replace; refuse to delete anything else.
+
+    Without ``force``, a build of this model is replaced only when the folder holds nothing
+    but what the build wrote; edited files are the user's too, except in the ``cache``
+    (enginetap's own folder, where a damaged build is repaired)."""
     if not target.exists():
         return
     if target.is_dir() and not any(target.iterdir()):
@@ -150,7 +154,35 @@ def _clear_target(target: Path, name: str, seed: int, force: bool) -> None:
             f"it holds the built-in model {marker.get('name')} (seed {marker.get('seed')})",
             "pass another folder, or --force to replace it",
         )
+    kept = [] if force else _not_ours(target, marker, edits_are_ours=cache)
+    if kept:
+        shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        raise ConfigError(
+            f"cannot rebuild {name} (seed {seed}) in {target}",
+            f"rebuilding replaces the whole folder, which holds what the build did not write: "
+            f"{shown}",
+            f"move those files elsewhere, pass another folder, or replace the folder and "
+            f"everything in it with `enginetap models build {name}"
+            f"{'' if cache else f' --out {target}'} --force`",
+        )
     shutil.rmtree(target)
+
+
+def _not_ours(folder: Path, marker: dict[str, Any], edits_are_ours: bool) -> list[str]:
+    """What in ``folder`` a rebuild would lose: anything the build did not write (the
+    user's own files) and, unless ``edits_are_ours``, files edited since the build."""
+    files = marker.get("files")
+    files = files if isinstance(files, dict) else {}
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name == MARKER:
+            continue
+        digest = files.get(entry.name)
+        if digest is None or entry.is_symlink() or not entry.is_file():
+            found.append(f"{entry.name} (not written by the build)")
+        elif not edits_are_ours and _sha256(entry) != digest:
+            found.append(f"{entry.name} (edited since the build)")
+    return found
 
 
 def build_model(name: str, *, out_dir: str | Path | None = None, seed: int = 0,
@@ -163,7 +195,9 @@ def build_model(name: str, *, out_dir: str | Path | None = None, seed: int = 0,
 
     Raises:
         ConfigError: ``name`` is unknown, ``seed`` is negative, or ``out_dir`` exists and
-            holds something other than this model (another built-in model: unless ``force``).
+            holds something other than this model (another built-in model: unless ``force``),
+            or (unless ``force``) a build of it with edited files or files the build did not
+            write: a rebuild replaces the folder, so it never deletes those unasked.
     """
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"bad seed {seed!r}", "a seed is an integer ≥ 0", "pass e.g. --seed 0")
@@ -177,7 +211,7 @@ def build_model(name: str, *, out_dir: str | Path | None = None, seed: int = 0,
                                     dir=target.parent))
     try:
         _write_model(scratch, name, seed, report)
-        _clear_target(target, name, seed, force)
+        _clear_target(target, name, seed, force, cache=not out_dir)
         _rename_into(scratch, target, name, seed)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
