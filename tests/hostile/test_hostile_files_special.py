@@ -82,3 +82,11 @@ def test_guard_check_refuses_a_fifo_and_dev_zero(tmp_path: Path, fifo: Path) -> 
     with big.open("wb") as f:
         f.truncate(1 << 30)
     _refused(_enginetap("guard", "check", str(big), cwd=tmp_path), "limit")
+
+
+def test_tap_run_refuses_a_prompt_file_that_is_a_fifo_or_a_device(tmp_path: Path,
+                                                                    fifo: Path) -> None:
+    for prompts in (str(fifo), "/dev/zero"):
+        _refused(_enginetap("tap", "run", "--model", "builtin:llama", "--prompts", prompts,
+                            "--out", "run", cwd=tmp_path), "cannot read prompts")
+    assert not (tmp_path / "run").exists()

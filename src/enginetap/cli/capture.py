@@ -28,6 +28,12 @@ def capture(
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vLLM).")] = 1,
     max_output_tokens: Annotated[int, typer.Option(min=1)] = 32,
     seed: Annotated[Optional[int], typer.Option(help="Prompt seed (default: the profile's).")] = None,
+    append: Annotated[bool, typer.Option(
+        "--append", help="--out is an existing dataset: add this run's workloads to it (the "
+        "previous run's records move to enginetap/previous/run-N/).")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="--out is an existing dataset: start it afresh (its definitions, "
+        "workloads, blobs and run records are removed; nothing else).")] = False,
 ) -> None:
     """Drive an engine with traffic while capture is armed; print what was captured."""
     from enginetap.capture.options import POLICIES
@@ -43,8 +49,12 @@ def capture(
     if tp > 1 and engine != "vllm":
         raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
                           "drop --tp or capture from vLLM")
+    if append and force:
+        raise ConfigError("--append and --force together", "--append adds to the dataset, "
+                          "--force starts it afresh", "pass one of them")
     job = CaptureJob(engine, model, profile, out, list(definitions or []), policy, tp,
-                     max_output_tokens, seed, progress=console.is_terminal)
+                     max_output_tokens, seed, progress=console.is_terminal,
+                     existing="append" if append else "replace" if force else "refuse")
     result = run_capture(job)
     ok = print_capture(console, result.dataset)
     console.print(f"next: enginetap replay {escape(str(result.dataset))}")

@@ -29,9 +29,12 @@ def run(
     depth: Annotated[str, typer.Option(
         help="sublayers (every sublayer's output) or layers (decoder layers' input and "
              "output only: about a third of the checkpoints).")] = "sublayers",
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace a previous run's tap files in --out (refused without).")
+    ] = False,
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
-    from enginetap.tap.run import load_prompts, record_run, record_vllm_run
+    from enginetap.tap.run import load_prompts, prepare_out, record_run, record_vllm_run
 
     if engine not in ("builtin", "vllm"):
         raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
@@ -46,6 +49,7 @@ def run(
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
     texts = load_prompts(prompts)
+    prepare_out(out, force=force)
     tap = {"max_rows": max_rows, "depth": depth}
     if engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,

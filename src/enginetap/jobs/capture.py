@@ -9,6 +9,13 @@ root holds the FlashInfer-Trace files; the run's own files go under ``<root>/eng
 - ``arming.json``: the arming config used; ``capture-labels.json``: request labels;
 - ``capture-summary-rank<r>.json``: what each rank captured, dropped and why;
 - ``traffic.json``: the traffic run's receipts (one per request sent).
+
+An existing dataset as ``out`` is refused unless the job says what to do with it
+(``existing``): ``"append"`` adds this run's workloads to those already there (the same
+traffic gives the same workloads again) and moves the previous run's files to
+``<root>/enginetap/previous/run-<n>/`` (n = 1, 2, ...), so no run's record is overwritten;
+``"replace"`` starts the dataset afresh: its ``definitions/``, ``workloads/``, ``blob/`` and
+``enginetap/`` are removed first, anything else in the directory is left.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +55,8 @@ class CaptureJob:
     tp: int = 1
     max_output_tokens: int = 32
     seed: int | None = None
+    existing: Literal["refuse", "append", "replace"] = "refuse"
+    """What to do when ``out`` already holds a dataset (see the module docstring)."""
     progress: bool = True
     device: str = "cpu"
     """Where the built-in engine runs its model (``cpu`` or ``cuda``); vLLM chooses its own."""
@@ -70,7 +80,7 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     model_dir = _model_dir(job.model)
     _check_definitions(job, model_dir)
     profile = _profile(job, model_dir)
-    run_dir = _prepare_out(job.out)
+    run_dir = _prepare_out(job.out, job.existing)
     config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=run_dir, options={
         "capture": {"dataset": str(job.out.resolve()), "definitions": job.definitions,
                     "policy": job.policy, "labels_file": str(run_dir / "capture-labels.json")},
@@ -144,16 +154,20 @@ def _profile(job: CaptureJob, model_dir: Path) -> Any:
     return fit_to_context(profile, context, job.max_output_tokens)
 
 
-def _prepare_out(out: Path) -> Path:
-    """The run directory under ``out``; ``out`` is new, empty, or an enginetap dataset."""
+def _prepare_out(out: Path, existing: str = "refuse") -> Path:
+    """The run directory under ``out``; ``out`` is new, empty, or an enginetap dataset
+    (then ``existing`` says whether to append to it or replace it; see the module doc)."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ConfigError(f"cannot capture into {out}", "it is a link or not a directory",
                           "pass a new directory (or an existing dataset) as --out")
-    if out.exists() and any(out.iterdir()) and not (out / "definitions").is_dir():
+    is_dataset = (out / "definitions").is_dir() or (out / RUN_DIR).is_dir()
+    if out.exists() and any(out.iterdir()) and not is_dataset:
         raise ConfigError(f"cannot capture into {out}",
                           "it is a non-empty directory that is not a dataset",
                           "pass a new directory, or a dataset to add workloads to")
     run_dir = out / RUN_DIR
+    if is_dataset:
+        _make_room(out, run_dir, existing)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -163,6 +177,50 @@ def _prepare_out(out: Path) -> Path:
         raise ConfigError(f"cannot write to {out}", exc.strerror or str(exc),
                           "choose a writable --out directory") from None
     return run_dir
+
+
+def _make_room(out: Path, run_dir: Path, existing: str) -> None:
+    """Refuse an existing dataset, or make room in it for this run (append or replace)."""
+    if existing == "refuse":
+        count = sum(1 for _ in (out / "definitions").glob("*/*.json"))
+        last = _last_status(run_dir)
+        raise ConfigError(
+            f"--out {out} is an existing dataset ({count} definition(s){last})",
+            "capturing again would add this run's workloads to those already there (the same "
+            "traffic gives the same workloads again) and replace the previous run's records",
+            "pass --append to add to it (the previous run's records are kept under "
+            f"{RUN_DIR}/previous/), --force to start it afresh, or another --out")
+    try:
+        if existing == "replace":
+            for name in ("definitions", "workloads", "blob", RUN_DIR):
+                if (out / name).is_dir() and not (out / name).is_symlink():
+                    shutil.rmtree(out / name)
+        elif run_dir.is_dir():
+            _keep_previous_run(run_dir)
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare {out} for this capture", exc.strerror or str(exc),
+                          "check the directory's permissions") from None
+
+
+def _last_status(run_dir: Path) -> str:
+    try:
+        return f", last capture {json.loads((run_dir / 'capture-run.json').read_text())['status']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _keep_previous_run(run_dir: Path) -> None:
+    """Move the previous run's files to ``previous/run-<n>/`` (the next free n)."""
+    files = [p for p in run_dir.iterdir() if p.name != "previous"]
+    if not files:
+        return
+    n = 1
+    while (run_dir / "previous" / f"run-{n}").exists():
+        n += 1
+    kept = run_dir / "previous" / f"run-{n}"
+    kept.mkdir(parents=True)
+    for path in files:
+        path.rename(kept / path.name)
 
 
 def _status(run_dir: Path, status: str, job: CaptureJob, reason: str = "") -> None:

@@ -14,7 +14,11 @@ from typing import Any
 
 from enginetap.errors import ConfigError
 
-__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run", "record_vllm_run"]
+__all__ = ["BUILTIN_PROMPTS", "MAX_PROMPT_BYTES", "load_prompts", "prepare_out", "record_run",
+           "record_vllm_run"]
+
+MAX_PROMPT_BYTES = 64 << 20
+"""Largest prompt file read."""
 
 BUILTIN_PROMPTS: dict[str, list[str]] = {
     "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
@@ -39,11 +43,15 @@ def load_prompts(spec: str) -> list[str]:
             raise ConfigError(f"unknown built-in prompt set {name!r}",
                               f"there are {', '.join(BUILTIN_PROMPTS)}", "pick one of those")
         return list(BUILTIN_PROMPTS[name])
+    from enginetap.core.files import NotRegular, read_capped
+
     path = Path(spec)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read prompts from {path}", exc.strerror or str(exc),
+        lines = read_capped(path, MAX_PROMPT_BYTES).decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = (f"it {exc}" if isinstance(exc, NotRegular) else "it is not UTF-8 text"
+               if isinstance(exc, UnicodeDecodeError) else exc.strerror or str(exc))
+        raise ConfigError(f"cannot read prompts from {path}", why,
                           "pass a text file with one prompt per line, or builtin:NAME") from None
     prompts = [_prompt_of(path, n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
@@ -62,6 +70,28 @@ def _prompt_of(path: Path, number: int, line: str) -> str:
                           'a .jsonl prompt file holds {"prompt": "..."} objects',
                           "fix the line or use a plain text file") from None
     return str(prompt)
+
+
+def prepare_out(out: Path, *, force: bool = False, name: str = "tap") -> None:
+    """Make ``out`` ready for a new run: refuse to replace a previous run's tap files
+    unless ``force``, which deletes them (every rank's, so no stale rank is left behind)
+    and nothing else in the folder.
+
+    Raises:
+        ConfigError: ``out`` is not a directory, or holds a run's tap files and not ``force``.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"cannot record a tap run into {out}", "it is not a directory",
+                          "pass a new or existing directory as --out")
+    found = sorted(out.glob(f"{name}-rank*.jsonl")) if out.is_dir() else []
+    if found and not force:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ConfigError(f"--out {out} holds a previous tap run ({names})",
+                          "recording there would replace that run",
+                          "pass another --out, or --force to replace that run's tap files "
+                          "(nothing else in the folder is touched)")
+    for path in found:
+        path.unlink()
 
 
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
