@@ -161,3 +161,10 @@ def test_derive_never_writes_over_its_input(tmp_path, monkeypatch, capsys, trace
     _refused(_cli(monkeypatch, capsys, "traffic", "derive", "p.json", "--out", "p.json",
                   "--max-context", "1024"), "is the input")
     assert (tmp_path / "p.json").read_bytes() == saved
+
+
+def test_derive_to_a_path_under_a_file_is_one_error(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "a-file").write_text("mine")
+    _refused(_cli(monkeypatch, capsys, "traffic", "derive", "builtin:mooncake-tiny", "--out",
+                  str(tmp_path / "a-file" / "p.json")), "cannot write traffic profile")
+    assert (tmp_path / "a-file").read_text() == "mine"

@@ -221,7 +221,10 @@ def save_profile(profile: TrafficProfile, path: str | Path) -> Path:
                        encoding="utf-8")
         tmp.replace(path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # the folder is not there (a file in the path): nothing was written
+            pass
         raise TrafficError(f"cannot write traffic profile {path}", exc.strerror or str(exc),
                            "choose a writable output path") from None
     return path
