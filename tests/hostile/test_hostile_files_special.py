@@ -90,3 +90,26 @@ def test_tap_run_refuses_a_prompt_file_that_is_a_fifo_or_a_device(tmp_path: Path
         _refused(_enginetap("tap", "run", "--model", "builtin:llama", "--prompts", prompts,
                             "--out", "run", cwd=tmp_path), "cannot read prompts")
     assert not (tmp_path / "run").exists()
+
+
+def test_outputs_never_replace_a_special_file(tmp_path: Path, fifo: Path) -> None:
+    """`guard pin -o` and `traffic derive --out` wrote a temporary file and renamed it over
+    the target: a FIFO (or, run as root, /dev/null) was replaced by a regular file."""
+    import stat
+
+    _refused(_enginetap("guard", "pin", "enginetap.errors:describe_validation", "-o",
+                        str(fifo), cwd=tmp_path), "FIFO")
+    _refused(_enginetap("traffic", "derive", "builtin:mooncake-tiny", "--out", str(fifo),
+                        cwd=tmp_path), "FIFO")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_outputs_write_through_a_symlink_to_a_regular_file(tmp_path: Path) -> None:
+    (tmp_path / "real.json").write_text("old")
+    (tmp_path / "link.json").symlink_to(tmp_path / "real.json")
+    done = _enginetap("traffic", "derive", "builtin:mooncake-tiny", "--out", "link.json",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "link.json").is_symlink()
+    assert '"mooncake-tiny"' in (tmp_path / "real.json").read_text()

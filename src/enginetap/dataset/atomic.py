@@ -107,10 +107,22 @@ def replace_text(path: Path, text: str) -> None:
     For files outside datasets that are meant to be rewritten (a guard lock): a crash or a
     full disk leaves the old file whole, never a truncated one.
 
+    A symlink to a regular file is written through (its target is replaced, the link
+    kept); anything else that is not a regular file (a FIFO, a device such as
+    ``/dev/null``, a directory, a dangling link) is refused, never renamed over.
+
     Raises:
-        OSError: the disk refused the write; the old file and no temporary file are left.
+        OSError: the disk refused the write, or ``path`` is not a regular file; the old
+            file and no temporary file are left.
     """
+    from enginetap.core.files import file_kind
+
     path = Path(os.path.abspath(path))  # "." and "dir/.." name a directory, not a file
+    kind = file_kind(path)
+    if kind not in ("", "missing"):
+        raise OSError(errno.EEXIST, f"it is {kind}, not a regular file to replace")
+    if path.is_symlink():
+        path = path.resolve()
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.new")
     write_new_text(tmp, text)  # durable under its own name first
     try:

@@ -213,18 +213,13 @@ def save_profile(profile: TrafficProfile, path: str | Path) -> Path:
     Raises:
         TrafficError: the file cannot be written.
     """
+    from enginetap.dataset.atomic import replace_text
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(profile.model_dump_json(indent=2, exclude_none=True) + "\n",
-                       encoding="utf-8")
-        tmp.replace(path)
+        replace_text(path, profile.model_dump_json(indent=2, exclude_none=True) + "\n")
     except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # the folder is not there (a file in the path): nothing was written
-            pass
         raise TrafficError(f"cannot write traffic profile {path}", exc.strerror or str(exc),
                            "choose a writable output path") from None
     return path
