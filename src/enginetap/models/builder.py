@@ -129,8 +129,11 @@ def _make_readable(folder: Path, files: list[str]) -> None:
         (folder / f).chmod(0o666 & ~umask)
 
 
-def _clear_target(target: Path, name: str, seed: int, force: bool, cache: bool) -> None:
-    """Remove an existing ``target`` we may replace; refuse to delete anything else.
+def _clear_target(target: Path, name: str, seed: int, force: bool, cache: bool,
+                  check_only: bool = False) -> None:
+    """Remove an existing ``target`` we may replace; refuse to delete anything else
+    (``check_only``: refuse, but remove nothing: called before building, so a refused
+    build costs nothing).
 
     Without ``force``, a build of this model is replaced only when the folder holds nothing
     but what the build wrote; edited files are the user's too, except in the ``cache``
@@ -138,7 +141,8 @@ def _clear_target(target: Path, name: str, seed: int, force: bool, cache: bool) 
     if not target.exists():
         return
     if target.is_dir() and not any(target.iterdir()):
-        target.rmdir()
+        if not check_only:
+            target.rmdir()
         return
     marker = _read_marker(target) if target.is_dir() else None
     if marker is None:
@@ -165,7 +169,8 @@ def _clear_target(target: Path, name: str, seed: int, force: bool, cache: bool) 
             f"everything in it with `enginetap models build {name}"
             f"{'' if cache else f' --out {target}'} --force`",
         )
-    shutil.rmtree(target)
+    if not check_only:
+        shutil.rmtree(target)
 
 
 def _not_ours(folder: Path, marker: dict[str, Any], edits_are_ours: bool) -> list[str]:
@@ -205,6 +210,7 @@ def build_model(name: str, *, out_dir: str | Path | None = None, seed: int = 0,
     _config_of(name)
     if not force and is_complete(target, name, seed):
         return target
+    _clear_target(target, name, seed, force, cache=not out_dir, check_only=True)
     report = progress or (lambda _label: None)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial",
