@@ -168,3 +168,13 @@ def test_derive_to_a_path_under_a_file_is_one_error(tmp_path, monkeypatch, capsy
     _refused(_cli(monkeypatch, capsys, "traffic", "derive", "builtin:mooncake-tiny", "--out",
                   str(tmp_path / "a-file" / "p.json")), "cannot write traffic profile")
     assert (tmp_path / "a-file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("line", ['{"prompt": ' + DEEP + "}", '{"prompt": ' + GIANT + "}",
+                                  "[1, 2]", '{"prompt": 5}'])
+def test_a_bad_jsonl_prompt_is_a_bad_record(tmp_path, monkeypatch, capsys, line) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n' + line + "\n")
+    _refused(_cli(monkeypatch, capsys, "tap", "run", "--model", "builtin:llama", "--prompts",
+                  str(prompts), "--out", str(tmp_path / "run")), f"bad record at {prompts}:2")
+    assert not (tmp_path / "run").exists()

@@ -73,7 +73,7 @@ def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "one"}\n{"text": "two"}\n')
-    with pytest.raises(ConfigError, match=r"prompts.jsonl:2: not a prompt line"):
+    with pytest.raises(ConfigError, match=r"bad record at .*prompts.jsonl:2"):
         load_prompts(str(path))
     with pytest.raises(ConfigError, match="unknown built-in prompt set 'nope'"):
         load_prompts("builtin:nope")

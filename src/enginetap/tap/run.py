@@ -7,7 +7,6 @@ other batch sizes, TP sizes or on the other engine align request by request in
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -63,13 +62,17 @@ def load_prompts(spec: str) -> list[str]:
 def _prompt_of(path: Path, number: int, line: str) -> str:
     if path.suffix != ".jsonl":
         return line
+    from enginetap.core.untrusted_json import BadJson, loads_bounded
+
+    fix = "fix the line or use a plain text file"
     try:
-        prompt = json.loads(line)["prompt"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(f"{path}:{number}: not a prompt line",
-                          'a .jsonl prompt file holds {"prompt": "..."} objects',
-                          "fix the line or use a plain text file") from None
-    return str(prompt)
+        record = loads_bounded(line)
+    except BadJson as exc:
+        raise ConfigError(f"bad record at {path}:{number}", str(exc), fix) from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ConfigError(f"bad record at {path}:{number}",
+                          'a .jsonl prompt file holds {"prompt": "..."} objects', fix)
+    return record["prompt"]
 
 
 def prepare_out(out: Path, *, force: bool = False, name: str = "tap") -> None:
