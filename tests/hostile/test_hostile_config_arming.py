@@ -111,3 +111,15 @@ def test_capture_out_dir_itself_unusable_disarms_capture(tmp_path, clean_env, re
         enabled=True, capabilities=["capture"], out_dir=out))
     assert _tokens(engine) == reference
     assert any("capture (disarmed" in what for what in engine.arming.armed)
+
+
+def test_every_rank_disarms_capture_alike(tmp_path, clean_env, reference) -> None:
+    """Rank 0 alone creates the dataset, but every rank's probes take part in gathers: a
+    directory that disarms rank 0 disarms rank 1 too (else rank 1 would gather alone)."""
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    engine = HFEngine.from_builtin("llama", dtype=torch.float32,
+                                   arm=_capture_config(tmp_path, "under_file"))
+    assert engine.arming is not None and engine.arming.rank == 1
+    assert any("capture (disarmed" in what for what in engine.arming.armed), engine.arming.armed
+    assert _tokens(engine) == reference

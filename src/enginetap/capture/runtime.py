@@ -70,6 +70,11 @@ class CaptureRuntime:
                                      context_.world_size)
         self.dataset_root = Path(options.dataset or context_.out_dir / "dataset")
         self.writer: Writer | ProcessWriter | None = None
+        if context_.rank != 0:
+            # Every rank takes part in the probes' gathers, so a directory that disarms
+            # rank 0 (below) must disarm the others too, or they would gather alone. The
+            # ranks share a file system; creating the root is what rank 0 does first.
+            self.dataset_root.mkdir(parents=True, exist_ok=True)
         if context_.rank == 0:  # rank 0 writes the logical op, rebuilt from every rank
             dataset = Dataset(self.dataset_root, create=True)
             if options.writer == "process":
