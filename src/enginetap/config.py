@@ -168,8 +168,8 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text", "it holds binary data",
                           fix) from None
     except BadJson as exc:
-        raise ConfigError(f"config file {path} is not a valid arming config", str(exc),
-                          fix) from None
+        what = "is not valid JSON" if exc.line is not None else "is not a valid arming config"
+        raise ConfigError(f"config file {path} {what}", str(exc), fix) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} is not a JSON object", f"it holds {type(data).__name__}",
                           "write the file as a JSON object of ArmConfig fields")
