@@ -11,7 +11,7 @@ Python operations per tensor where safetensors' own Python takes tens, each hold
 interpreter the engine waits for. A dtype outside its table gives None (write it with
 :func:`save_blob`).
 
-Reading: blobs are opened through :func:`enginetap.dataset.files.open_regular`, so a FIFO
+Reading: blobs are opened through :func:`enginetap.core.files.open_regular`, so a FIFO
 or device in place of a blob is reported, never waited on.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enginetap.dataset.dtypes import from_header
-from enginetap.dataset.files import NotRegular, open_regular, path_of_fd
+from enginetap.core.files import NotRegular, open_regular, path_of_fd
 
 if TYPE_CHECKING:
     import torch

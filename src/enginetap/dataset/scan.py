@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from enginetap.dataset.files import NotRegular, file_kind, iter_lines, read_capped
+from enginetap.core.files import NotRegular, file_kind, iter_lines, read_capped
 from enginetap.dataset.paths import resolve_within
 from enginetap.dataset.schema import Definition, WorkloadLine
 from enginetap.errors import DatasetError, describe_validation
