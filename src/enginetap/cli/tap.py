@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -66,7 +67,10 @@ def report(
     from enginetap.tap.files import load_run
     from enginetap.tap.report import analyse, html_page, summary
 
-    analysis = analyse(load_run(run_dir))
+    run = load_run(run_dir)
+    if html is not None:
+        _refuse_page_target(html, [run])
+    analysis = analyse(run)
     if as_json:
         typer.echo(json.dumps({
             "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
@@ -78,8 +82,7 @@ def report(
     else:
         typer.echo("\n".join(summary(analysis)))
     if html is not None:
-        html.write_text(html_page(analysis), encoding="utf-8")
-        typer.echo(f"wrote {html}")
+        _write_page(html, html_page(analysis))
 
 
 @app.command("diff")
@@ -94,15 +97,55 @@ def diff(
     from enginetap.tap.files import load_run
     from enginetap.tap.report import diff_page
 
-    first = load_run(run_a)
-    diffs = diff_runs(first, load_run(run_b))
+    first, second = load_run(run_a), load_run(run_b)
+    if html is not None:
+        _refuse_page_target(html, [first, second])
+    diffs = diff_runs(first, second)
     lines = [_describe(d) for d in diffs]
     typer.echo(json.dumps([d.to_json() for d in diffs], indent=1) if as_json
                else "\n".join(lines))
     if html is not None:
-        html.write_text(diff_page(diffs, first, "\n".join(lines).splitlines()), encoding="utf-8")
-        typer.echo(f"wrote {html}")
+        _write_page(html, diff_page(diffs, first, "\n".join(lines).splitlines()))
     raise typer.Exit(1 if any(d.diverged for d in diffs) else 0)
+
+
+def _refuse_page_target(html: Path, runs: list) -> None:
+    """The page must not replace a file it was made from (a rank file, through a link or
+    not), nor a directory.
+
+    Raises:
+        TapError: ``html`` is a directory or one of the runs' files.
+    """
+    from enginetap.tap.files import TapError
+
+    if html.is_dir():
+        raise TapError(f"--html {html} is a directory", "the page is one file",
+                       "pass a file path, e.g. --html report.html")
+    for run in runs:
+        for rank in run.ranks.values():
+            if os.path.abspath(html) == os.path.abspath(rank.path) or (
+                    html.exists() and html.samefile(rank.path)):
+                raise TapError(f"--html {html} is the recorded file {rank.path}",
+                               "writing the page there would destroy the run",
+                               "pass another path, e.g. --html report.html")
+
+
+def _write_page(html: Path, page: str) -> None:
+    """Write the page atomically: a full disk or a crash leaves the previous page whole.
+
+    Raises:
+        TapError: the write failed (the previous page, if any, is left as it was).
+    """
+    from enginetap.dataset.atomic import replace_text
+    from enginetap.tap.files import TapError
+
+    try:
+        replace_text(html, page)
+    except OSError as exc:
+        raise TapError(f"cannot write the HTML page to {html}", exc.strerror or str(exc),
+                       "free some space or pass --html a writable path; any previous page "
+                       "there is unchanged") from None
+    typer.echo(f"wrote {html}")
 
 
 def _describe(d) -> str:
