@@ -93,19 +93,27 @@ def diff(
     html: Annotated[Path | None, typer.Option(help="Write one self-contained HTML page.")] = None,
 ) -> None:
     """First diverging (step, layer, sublayer) per request and overall; exit 1 if any."""
-    from enginetap.tap.diff import diff_runs
-    from enginetap.tap.files import load_run
+    from enginetap.tap.diff import check_comparable, diff_runs, nothing_compared
+    from enginetap.tap.files import TapError, load_run
     from enginetap.tap.report import diff_page
 
     first, second = load_run(run_a), load_run(run_b)
     if html is not None:
         _refuse_page_target(html, [first, second])
+    warnings = check_comparable(first, second)
     diffs = diff_runs(first, second)
+    why = nothing_compared(first, second, diffs)
+    if why is not None:
+        raise TapError(f"nothing compared between {run_a} and {run_b}", why,
+                       "diff two runs of the same prompts recorded with the same tap depth")
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
     lines = [_describe(d) for d in diffs]
     typer.echo(json.dumps([d.to_json() for d in diffs], indent=1) if as_json
                else "\n".join(lines))
     if html is not None:
-        _write_page(html, diff_page(diffs, first, "\n".join(lines).splitlines()))
+        said = [f"warning: {w}" for w in warnings] + "\n".join(lines).splitlines()
+        _write_page(html, diff_page(diffs, first, said))
     raise typer.Exit(1 if any(d.diverged for d in diffs) else 0)
 
 
