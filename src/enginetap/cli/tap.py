@@ -73,11 +73,13 @@ def report(
     analysis = analyse(run)
     if as_json:
         typer.echo(json.dumps({
-            "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
+            "ranks": [{"rank": r.rank, "pairs_compared": r.pairs.pairs_compared,
+                       "pairs_split": r.pairs.pairs_split,
+                       "splits": [p.to_json() for p in r.pairs.splits],
                        "continuity": [v.to_json() for v in r.continuity],
                        "metadata": [v.to_json() for v in r.metadata],
                        "metadata_checked": r.metadata_rows,
-                       "sampler": [vars(f) for f in r.sampler]} for r in analysis.ranks],
+                       "sampler": [f.to_json() for f in r.sampler]} for r in analysis.ranks],
             "cross_rank": [m.to_json() for m in analysis.cross_rank]}, indent=1))
     else:
         typer.echo("\n".join(summary(analysis)))
