@@ -142,3 +142,16 @@ def test_a_giant_line_costs_bounded_memory(good: Path, tmp_path: Path) -> None:
     done = enginetap("tap", "report", str(run), timeout=300, preexec=limit)
     line = one_error_line(done, "bad record at", "longer than")
     assert json.dumps(str(path))[1:-1] in line
+
+
+def test_the_analysis_imports_no_torch() -> None:
+    """Reading and analysing tap files needs no torch (a reader starts in a second, not
+    ten, and the analysis side stays apart from the recording side)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, enginetap.tap.files, enginetap.tap.report, enginetap.tap.diff; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.strip() == "False", done.stderr
