@@ -182,9 +182,13 @@ class SplitFinding:
                 "agreeing_input": self.agreeing_input, "pairs": self.pairs,
                 "classes": [{"rows": n, "keys": keys} for n, keys in self.classes]}
 
-    def describe(self) -> str:
-        return " | ".join(", ".join(keys) + (f" (+{n - len(keys)})" if n > len(keys) else "")
-                          for n, keys in self.classes)
+    def describe(self, limit: int = 6) -> str:
+        """The classes, ``|`` between them: their first keys, ``(+n)`` for the rest (at
+        most ``limit`` classes, then how many more)."""
+        said = " | ".join(", ".join(keys) + (f" (+{n - len(keys)})" if n > len(keys) else "")
+                          for n, keys in self.classes[:limit])
+        more = len(self.classes) - limit
+        return said + (f" | {more} more class(es)" if more > 0 else "")
 
 
 @dataclass

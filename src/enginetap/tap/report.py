@@ -98,7 +98,9 @@ def summary(analysis: Analysis) -> list[str]:
                          f"{v.key} position {v.position} slot {v.slot}: {v.detail}")
         for s in r.sampler[:20]:
             said = " vs ".join(f"{', '.join(k)}{f' (+{n - len(k)})' if n > len(k) else ''}"
-                               f"->{t}" for t, n, k in s.tokens)
+                               f"->{t}" for t, n, k in s.tokens[:6])
+            if len(s.tokens) > 6:
+                said += f" vs {len(s.tokens) - 6} more token(s)"
             lines.append(f"  {s.kind} at step {s.step}: {said} (smallest gap {s.min_gap:.3g})")
     return lines
 
@@ -147,7 +149,8 @@ def _rank_html(r: RankAnalysis) -> str:
     checked = (f"<p>Metadata checked on {r.metadata_rows.get('counters', 0)} row(s) (host vs "
                f"device counters) and {r.metadata_rows.get('lengths', 0)} row(s) (planned vs "
                "valid lengths).</p>")
-    sampler = [[s.step, " vs ".join(f"{', '.join(k)} ({n})->{t}" for t, n, k in s.tokens),
+    sampler = [[s.step, " vs ".join(f"{', '.join(k)} ({n})->{t}" for t, n, k in s.tokens[:20])
+                + (f" vs {len(s.tokens) - 20} more" if len(s.tokens) > 20 else ""),
                 f"{s.min_gap:.4g}", s.kind] for s in r.sampler[:_LISTED]]
     grid = _grid("Where pairs split (layer x step)", r.layers, r.step_numbers, r.grid(),
                  "pair(s) split here")
