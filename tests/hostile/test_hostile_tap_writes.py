@@ -28,14 +28,15 @@ def _snapshot(*runs: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-@pytest.mark.parametrize("target", ["own", "link.html", "hard.html", "directory"])
+@pytest.mark.parametrize("target", ["own", "link.html", "hard.html", "directory", "rank1"])
 def test_report_html_never_replaces_the_run_it_reads(runs: tuple[Path, Path],
                                                      tmp_path: Path, target: str) -> None:
     run = shutil.copytree(runs[0], tmp_path / "a")
     (tmp_path / "link.html").symlink_to(run / "tap-rank0.jsonl")
     os.link(run / "tap-rank0.jsonl", tmp_path / "hard.html")
     before = _snapshot(run)
-    html = {"own": run / "tap-rank0.jsonl", "directory": run}.get(target, tmp_path / target)
+    html = {"own": run / "tap-rank0.jsonl", "directory": run,
+            "rank1": run / "tap-rank1.jsonl"}.get(target, tmp_path / target)
     for given in (run, run / "tap-rank0.jsonl"):  # a run is a directory or one rank's file
         done = enginetap("tap", "report", str(given), "--html", str(html))
         one_error_line(done, "error: ", "--html")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -119,13 +119,16 @@ def diff(
     raise typer.Exit(1 if any(d.diverged for d in diffs) else 0)
 
 
-def _refuse_page_target(html: Path, runs: list) -> None:
+def _refuse_page_target(html: Path, runs: list[Any]) -> None:
     """The page must not replace a file it was made from (a rank file, through a link or
-    not), nor a directory.
+    not), nor a directory, nor take a rank file's name in a run's directory (the next
+    reading of the run would take the page for a rank).
 
     Raises:
         TapError: ``html`` is a directory or one of the runs' files.
     """
+    import re
+
     from enginetap.tap.files import TapError
 
     if html.is_dir():
@@ -137,6 +140,11 @@ def _refuse_page_target(html: Path, runs: list) -> None:
                     html.exists() and html.samefile(rank.path)):
                 raise TapError(f"--html {html} is the recorded file {rank.path}",
                                "writing the page there would destroy the run",
+                               "pass another path, e.g. --html report.html")
+            if os.path.abspath(html.parent) == os.path.abspath(rank.path.parent) \
+                    and re.fullmatch(r".*-rank\d+\.jsonl", html.name):
+                raise TapError(f"--html {html} takes a rank file's name in the run's "
+                               "directory", "the run would then hold a page as a rank",
                                "pass another path, e.g. --html report.html")
 
 
