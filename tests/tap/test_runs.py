@@ -85,7 +85,7 @@ def test_batch_1_vs_8_runs_end_to_end(tmp_path: Path) -> None:
     page = tmp_path / "b8.html"
     done = cli.invoke(app, ["tap", "report", str(tmp_path / "b8"), "--html", str(page)])
     assert done.exit_code == 0, done.output
-    assert "same-prefix pair(s)" in done.output and page.is_file()
+    assert "same-prefix row pair(s)" in done.output and page.is_file()
 
 
 def test_report_names_a_split_in_text_and_html(record: Recorder) -> None:
@@ -97,9 +97,8 @@ def test_report_names_a_split_in_text_and_html(record: Recorder) -> None:
     assert lines[1].startswith("rank 0:")
     page = html_page(analysis)
     assert page.count("<table>") >= 2 and "Where pairs split" in page
-    for pair in analysis.ranks[0].pairs:
-        if pair.split:
-            assert any(pair.checkpoint in line for line in lines)
+    for split in analysis.ranks[0].pairs.splits[:20]:
+        assert any(split.checkpoint in line and split.describe() in line for line in lines)
 
 
 def test_the_request_filter_and_row_cap_narrow_the_tapped_rows(record: Recorder) -> None:

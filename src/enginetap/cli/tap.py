@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -70,20 +71,24 @@ def report(
     from enginetap.tap.files import load_run
     from enginetap.tap.report import analyse, html_page, summary
 
-    analysis = analyse(load_run(run_dir))
+    run = load_run(run_dir)
+    if html is not None:
+        _refuse_page_target(html, [run])
+    analysis = analyse(run)
     if as_json:
         typer.echo(json.dumps({
-            "ranks": [{"rank": r.rank, "pairs": [p.to_json() for p in r.pairs],
+            "ranks": [{"rank": r.rank, "pairs_compared": r.pairs.pairs_compared,
+                       "pairs_split": r.pairs.pairs_split,
+                       "splits": [p.to_json() for p in r.pairs.splits],
                        "continuity": [v.to_json() for v in r.continuity],
                        "metadata": [v.to_json() for v in r.metadata],
                        "metadata_checked": r.metadata_rows,
-                       "sampler": [vars(f) for f in r.sampler]} for r in analysis.ranks],
+                       "sampler": [f.to_json() for f in r.sampler]} for r in analysis.ranks],
             "cross_rank": [m.to_json() for m in analysis.cross_rank]}, indent=1))
     else:
         typer.echo("\n".join(summary(analysis)))
     if html is not None:
-        html.write_text(html_page(analysis), encoding="utf-8")
-        typer.echo(f"wrote {html}")
+        _write_page(html, html_page(analysis))
 
 
 @app.command("diff")
@@ -94,19 +99,75 @@ def diff(
     html: Annotated[Path | None, typer.Option(help="Write one self-contained HTML page.")] = None,
 ) -> None:
     """First diverging (step, layer, sublayer) per request and overall; exit 1 if any."""
-    from enginetap.tap.diff import diff_runs
-    from enginetap.tap.files import load_run
+    from enginetap.tap.diff import check_comparable, diff_runs, nothing_compared
+    from enginetap.tap.files import TapError, load_run
     from enginetap.tap.report import diff_page
 
-    first = load_run(run_a)
-    diffs = diff_runs(first, load_run(run_b))
+    first, second = load_run(run_a), load_run(run_b)
+    if html is not None:
+        _refuse_page_target(html, [first, second])
+    warnings = check_comparable(first, second)
+    diffs = diff_runs(first, second)
+    why = nothing_compared(first, second, diffs)
+    if why is not None:
+        raise TapError(f"nothing compared between {run_a} and {run_b}", why,
+                       "diff two runs of the same prompts recorded with the same tap depth")
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
     lines = [_describe(d) for d in diffs]
     typer.echo(json.dumps([d.to_json() for d in diffs], indent=1) if as_json
                else "\n".join(lines))
     if html is not None:
-        html.write_text(diff_page(diffs, first, "\n".join(lines).splitlines()), encoding="utf-8")
-        typer.echo(f"wrote {html}")
+        said = [f"warning: {w}" for w in warnings] + "\n".join(lines).splitlines()
+        _write_page(html, diff_page(diffs, first, said))
     raise typer.Exit(1 if any(d.diverged for d in diffs) else 0)
+
+
+def _refuse_page_target(html: Path, runs: list[Any]) -> None:
+    """The page must not replace a file it was made from (a rank file, through a link or
+    not), nor a directory, nor take a rank file's name in a run's directory (the next
+    reading of the run would take the page for a rank).
+
+    Raises:
+        TapError: ``html`` is a directory or one of the runs' files.
+    """
+    import re
+
+    from enginetap.tap.files import TapError
+
+    if html.is_dir():
+        raise TapError(f"--html {html} is a directory", "the page is one file",
+                       "pass a file path, e.g. --html report.html")
+    for run in runs:
+        for rank in run.ranks.values():
+            if os.path.abspath(html) == os.path.abspath(rank.path) or (
+                    html.exists() and html.samefile(rank.path)):
+                raise TapError(f"--html {html} is the recorded file {rank.path}",
+                               "writing the page there would destroy the run",
+                               "pass another path, e.g. --html report.html")
+            if os.path.abspath(html.parent) == os.path.abspath(rank.path.parent) \
+                    and re.fullmatch(r".*-rank\d+\.jsonl", html.name):
+                raise TapError(f"--html {html} takes a rank file's name in the run's "
+                               "directory", "the run would then hold a page as a rank",
+                               "pass another path, e.g. --html report.html")
+
+
+def _write_page(html: Path, page: str) -> None:
+    """Write the page atomically: a full disk or a crash leaves the previous page whole.
+
+    Raises:
+        TapError: the write failed (the previous page, if any, is left as it was).
+    """
+    from enginetap.dataset.atomic import replace_text
+    from enginetap.tap.files import TapError
+
+    try:
+        replace_text(html, page)
+    except OSError as exc:
+        raise TapError(f"cannot write the HTML page to {html}", exc.strerror or str(exc),
+                       "free some space or pass --html a writable path; any previous page "
+                       "there is unchanged") from None
+    typer.echo(f"wrote {html}")
 
 
 def _describe(d) -> str:

@@ -19,7 +19,8 @@ from enginetap.tap.files import RankTap, StepRecord, TapError, TapRun
 from enginetap.tap.pairs import layer_of
 from enginetap.tap.compare import comparable, last_of_request
 
-__all__ = ["Divergence", "RunDiff", "diff_ranks", "diff_runs"]
+__all__ = ["Divergence", "RunDiff", "check_comparable", "diff_ranks", "diff_runs",
+           "nothing_compared"]
 
 Located = tuple[StepRecord, int, bool]
 """A row: its step, its index there, whether it is its request's last row there."""
@@ -55,6 +56,8 @@ class RunDiff:
     rows_compared: int = 0
     rows_diverged: int = 0
     rows_token_diverged: int = 0
+    checkpoints_compared: int = 0
+    """Checkpoint names both runs recorded (compared on the aligned rows)."""
     only_a: int = 0
     only_b: int = 0
     per_request: dict[str, Divergence] = field(default_factory=dict)
@@ -76,6 +79,7 @@ class RunDiff:
         return {"rank": self.rank, "merged": self.merged, "rows_compared": self.rows_compared,
                 "rows_diverged": self.rows_diverged,
                 "rows_token_diverged": self.rows_token_diverged,
+                "checkpoints_compared": self.checkpoints_compared,
                 "only_a": self.only_a, "only_b": self.only_b,
                 "first": None if self.first is None else self.first.to_json(),
                 "per_request": {k: d.to_json() for k, d in sorted(self.per_request.items())},
@@ -141,7 +145,76 @@ def diff_ranks(rank_a: RankTap, rank_b: RankTap, rank: int = 0) -> RunDiff:
         order = (found.step_a, a[0].checkpoints.index(name))
         if best is None or order < best:
             best, result.first = order, found
+    if result.rows_compared:
+        result.checkpoints_compared = len(_names(rank_a) & _names(rank_b))
     return result
+
+
+def _names(rank: RankTap) -> set[str]:
+    return {name for step in rank.steps for name in step.checkpoints}
+
+
+def _listed(values: set[str]) -> str:
+    shown = sorted(values)[:4]
+    return ", ".join(shown) + (f" and {len(values) - 4} more" if len(values) > 4 else "") \
+        if values else "none"
+
+
+def nothing_compared(run_a: TapRun, run_b: TapRun, diffs: list[RunDiff]) -> str | None:
+    """Why the diff compared nothing (no aligned row, or no checkpoint both recorded), or
+    None when it compared something: a diff of nothing must not read "no divergence"."""
+    if any(d.rows_compared and d.checkpoints_compared or d.rows_token_diverged for d in diffs):
+        return None
+    keys = [{row["key"] for rank in run.ranks.values() for step in rank.steps
+             for row in step.rows} for run in (run_a, run_b)]
+    if not keys[0] & keys[1]:
+        return (f"the runs share no request key (A: {_listed(keys[0])}; B: "
+                f"{_listed(keys[1])})")
+    if not any(d.rows_compared for d in diffs):
+        return "the runs share request keys but no (request, position) row"
+    names = [{n for rank in run.ranks.values() for n in _names(rank)} for run in (run_a, run_b)]
+    return (f"the runs share no checkpoint name (A: {_listed(names[0])}; B: "
+            f"{_listed(names[1])})")
+
+
+def _models(run: TapRun) -> list[tuple[str, str]]:
+    return sorted((str(m.get("model_type")), str(m.get("layers")))
+                  for m in run.header.get("models") or [])
+
+
+def _dtypes(run: TapRun) -> list[str]:
+    return sorted(str(m.get("dtype")).removeprefix("torch.")
+                  for m in run.header.get("models") or [])
+
+
+def check_comparable(run_a: TapRun, run_b: TapRun) -> list[str]:
+    """Warnings about two runs that can be diffed but differ in what they ran (dtypes, the
+    engine).
+
+    Raises:
+        TapError: the runs are of different models (model type or layer count).
+    """
+    models = _models(run_a), _models(run_b)
+    if models[0] and models[1] and models[0] != models[1]:
+        said = [", ".join(f"{t} ({n} layers)" for t, n in m) for m in models]
+        raise TapError(f"{run_a.root} and {run_b.root} are runs of different models",
+                       f"A ran {said[0]}, B ran {said[1]}: their checkpoints differ by "
+                       "construction", "diff two runs of the same model")
+    warnings = []
+    dtypes = _dtypes(run_a), _dtypes(run_b)
+    if dtypes[0] != dtypes[1]:
+        warnings.append(f"run A computes in {', '.join(dtypes[0]) or 'an unrecorded dtype'}, "
+                        f"run B in {', '.join(dtypes[1]) or 'an unrecorded dtype'}: every "
+                        "checkpoint is expected to differ; diff runs of one dtype to find "
+                        "where they diverge")
+    if not models[0] or not models[1]:
+        warnings.append("a run's header names no model: that both ran the same model is "
+                        "not checked")
+    engines = [f"{r.header.get('engine')} ({r.header.get('engine_version')})"
+               for r in (run_a, run_b)]
+    if engines[0] != engines[1]:
+        warnings.append(f"the runs are of different engines: A {engines[0]}, B {engines[1]}")
+    return warnings
 
 
 def diff_runs(run_a: TapRun, run_b: TapRun) -> list[RunDiff]:

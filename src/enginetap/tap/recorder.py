@@ -30,6 +30,7 @@ from enginetap.core.sink import RecordSink
 from enginetap.core.tensors import capturing
 from enginetap.tap.deferred import DeferredHashes
 from enginetap.tap.fingerprint import StepStaging, token_rows
+from enginetap.tap.format import FORMAT, VERSION
 from enginetap.tap.options import TapOptions
 from enginetap.tap.rows import PrefixTracker, fill_late_lengths, row_records, select_rows
 from enginetap.tap.vectors import VectorDump
@@ -38,10 +39,6 @@ logger = logging.getLogger("enginetap.tap")
 
 __all__ = ["FORMAT", "QuickPlan", "TapRecorder", "outputs_of"]
 
-FORMAT = "enginetap-tap"
-VERSION = 2
-"""2: each checkpoint's hashes are one hex string, 16 digits per tapped row (1 wrote a
-list of strings: 64 Python string builds per checkpoint cost more than the tap itself)."""
 
 
 class TapRecorder:

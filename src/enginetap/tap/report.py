@@ -18,7 +18,7 @@ from enginetap.tap.continuity import (Violation, check_continuity, check_metadat
 from enginetap.tap.crossrank import RankMismatch, compare_ranks
 from enginetap.tap.diff import RunDiff
 from enginetap.tap.files import TapRun
-from enginetap.tap.pairs import PairFinding, SamplerFinding, find_pairs, layer_of, sampler_findings
+from enginetap.tap.pairs import PairSummary, SamplerSplit, layer_of, pair_splits, sampler_splits
 
 __all__ = ["Analysis", "analyse", "diff_page", "html_page", "summary"]
 
@@ -28,22 +28,18 @@ class RankAnalysis:
     rank: int
     steps: int
     rows: int
-    pairs: list[PairFinding]
+    pairs: PairSummary
     continuity: list[Violation]
     metadata: list[Violation]
-    sampler: list[SamplerFinding]
+    sampler: list[SamplerSplit]
     layers: list[str] = field(default_factory=list)
     step_numbers: list[int] = field(default_factory=list)
     metadata_rows: dict[str, int] = field(default_factory=dict)
     """Tapped rows that carried each metadata check's inputs (``counters``, ``lengths``)."""
 
     def grid(self) -> Counter:
-        """(layer, step) → pairs whose first differing checkpoint at that step is there."""
-        cells: Counter = Counter()
-        for pair in self.pairs:
-            for step, checkpoint in pair.splits:
-                cells[(layer_of(checkpoint), step)] += 1
-        return cells
+        """(layer, step) → row pairs whose first differing checkpoint at that step is there."""
+        return self.pairs.cells
 
 
 @dataclass
@@ -65,8 +61,8 @@ def analyse(run: TapRun) -> Analysis:
     ranks = []
     for number, rank in run.ranks.items():
         ranks.append(RankAnalysis(number, len(rank.steps), sum(len(s.rows) for s in rank.steps),
-                                  find_pairs(rank), check_continuity(rank),
-                                  check_metadata(rank), sampler_findings(rank),
+                                  pair_splits(rank), check_continuity(rank),
+                                  check_metadata(rank), sampler_splits(rank),
                                   _layers(rank), [s.step for s in rank.steps],
                                   metadata_checked(rank)))
     return Analysis(run.header, ranks, compare_ranks(run))
@@ -85,24 +81,27 @@ def summary(analysis: Analysis) -> list[str]:
             lines.append(f"  step {m.step} {m.checkpoint} request {m.key} position "
                          f"{m.position}: rank(s) {m.ranks} differ from rank 0")
     for r in analysis.ranks:
-        split = [p for p in r.pairs if p.split]
-        lines.append(f"rank {r.rank}: {r.steps} steps, {r.rows} tapped rows, {len(r.pairs)} "
-                     f"same-prefix pair(s), {len(split)} split, {len(r.continuity)} continuity "
+        lines.append(f"rank {r.rank}: {r.steps} steps, {r.rows} tapped rows, "
+                     f"{r.pairs.pairs_compared} same-prefix row pair(s), {r.pairs.pairs_split} "
+                     f"split, {len(r.continuity)} continuity "
                      f"and {len(r.metadata)} metadata violation(s), {len(r.sampler)} "
                      "sampler flip(s)")
         lines.append(f"  metadata checked on {r.metadata_rows.get('counters', 0)} row(s) "
                      f"(host vs device counters) and {r.metadata_rows.get('lengths', 0)} "
                      "row(s) (planned vs valid lengths)")
-        for p in split[:20]:
-            lines.append(f"  pair {p.keys[0]} / {p.keys[1]}: first split at step {p.first_step} "
-                         f"position {p.position}, culprit {p.checkpoint} (input "
-                         f"{p.agreeing_input} agrees)")
+        for p in r.pairs.splits[:20]:
+            lines.append(f"  split at step {p.step} position {p.position}: {p.describe()}, "
+                         f"culprit {p.checkpoint} (input {p.agreeing_input} agrees), "
+                         f"{p.pairs} row pair(s)")
         for v in (r.continuity + r.metadata)[:20]:
             lines.append(f"  {v.kind} violation at step {v.step}: {v.checkpoint} request "
                          f"{v.key} position {v.position} slot {v.slot}: {v.detail}")
         for s in r.sampler[:20]:
-            lines.append(f"  {s.kind} at step {s.step}: {s.keys[0]}->{s.tokens[0]} vs "
-                         f"{s.keys[1]}->{s.tokens[1]} (gaps {s.gaps[0]:.3g}, {s.gaps[1]:.3g})")
+            said = " vs ".join(f"{', '.join(k)}{f' (+{n - len(k)})' if n > len(k) else ''}"
+                               f"->{t}" for t, n, k in s.tokens[:6])
+            if len(s.tokens) > 6:
+                said += f" vs {len(s.tokens) - 6} more token(s)"
+            lines.append(f"  {s.kind} at step {s.step}: {said} (smallest gap {s.min_gap:.3g})")
     return lines
 
 
@@ -142,28 +141,38 @@ def _grid(title: str, layers: list[str], steps: list[int], cells: Counter,
 
 
 def _rank_html(r: RankAnalysis) -> str:
-    pairs = [[p.keys[0], p.keys[1], p.rows_compared, p.first_step, p.position, p.checkpoint,
-              p.agreeing_input, len(p.splits)] for p in r.pairs]
+    pairs = [[p.describe(), p.pairs, p.step, p.position, p.checkpoint, p.agreeing_input]
+             for p in r.pairs.splits[:_LISTED]]
     violations = [[v.kind, v.step, v.checkpoint, v.key, v.position, v.slot, v.detail]
                   for v in r.continuity]
     metadata = [[v.kind, v.step, v.key, v.position, v.detail] for v in r.metadata]
     checked = (f"<p>Metadata checked on {r.metadata_rows.get('counters', 0)} row(s) (host vs "
                f"device counters) and {r.metadata_rows.get('lengths', 0)} row(s) (planned vs "
                "valid lengths).</p>")
-    sampler = [[s.step, s.keys[0], s.tokens[0], f"{s.gaps[0]:.4g}", s.keys[1], s.tokens[1],
-                f"{s.gaps[1]:.4g}", s.kind] for s in r.sampler]
+    sampler = [[s.step, " vs ".join(f"{', '.join(k)} ({n})->{t}" for t, n, k in s.tokens[:20])
+                + (f" vs {len(s.tokens) - 20} more" if len(s.tokens) > 20 else ""),
+                f"{s.min_gap:.4g}", s.kind] for s in r.sampler[:_LISTED]]
     grid = _grid("Where pairs split (layer x step)", r.layers, r.step_numbers, r.grid(),
                  "pair(s) split here")
     return (f"<h2>Rank {r.rank}: {r.steps} steps, {r.rows} tapped rows</h2>{grid}"
-            + _table("Same-prefix pairs", ["request A", "request B", "rows compared",
-                                           "first split step", "position", "culprit",
-                                           "agreeing input", "steps split"], pairs)
+            + _table(f"Same-prefix splits ({r.pairs.pairs_compared} row pairs compared, "
+                     f"{r.pairs.pairs_split} split; {_more(len(r.pairs.splits))})",
+                     ["classes of requests", "row pairs", "step", "position", "culprit",
+                      "agreeing input"], pairs)
             + _table("Continuity violations", ["kind", "step", "checkpoint", "request",
                                                "position", "slot", "detail"], violations)
             + checked + _table("Metadata (counters, planned vs valid lengths)",
                                ["kind", "step", "request", "position", "detail"], metadata)
-            + _table("Sampler flips", ["step", "request A", "token A", "gap A", "request B",
-                                       "token B", "gap B", "kind"], sampler))
+            + _table(f"Sampler flips ({_more(len(r.sampler))})",
+                     ["step", "requests (count) -> token", "smallest gap", "kind"], sampler))
+
+
+_LISTED = 500
+"""Rows a table of the page lists (its title says how many there are)."""
+
+
+def _more(count: int) -> str:
+    return f"{count} found" + (f", the first {_LISTED} listed" if count > _LISTED else "")
 
 
 def html_page(analysis: Analysis) -> str:

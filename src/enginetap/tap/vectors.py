@@ -11,7 +11,9 @@ With ``options.tap.vectors`` the staged rows of a step (the exact bytes that wer
   end of every step: a step window, optionally narrowed to some checkpoints (names or
   name prefixes) and some requests (key substrings). Editing the file while the engine
   runs starts, moves or stops the dumps; a file that cannot be read or parsed is logged
-  (once per content) and writes nothing until it is fixed.
+  (once per content) and writes nothing until it is fixed. Only a regular file of at most
+  :data:`MAX_CONTROL` bytes is read, opened without blocking: a FIFO or a device in its
+  place never stalls the engine's step.
 
 The file's metadata holds the row keys and positions, so a row is found without the
 tap file. Safetensors only: nothing is pickled.
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from enginetap.core.files import NotRegular, read_capped
 from enginetap.errors import describe_validation
 
 from enginetap.tap.compare import comparable, last_of_request
@@ -37,6 +40,9 @@ from enginetap.tap.fingerprint import StepStaging
 logger = logging.getLogger("enginetap.tap")
 
 __all__ = ["ControlFile", "VectorControl", "VectorDump", "first_splits"]
+
+MAX_CONTROL = 64 << 10
+"""Bytes a control file may hold (it is a small JSON object, re-read every step)."""
 
 
 def first_splits(rows: list[dict[str, Any]], names: list[str], hashes: list[list[int]],
@@ -92,17 +98,22 @@ class ControlFile:
 
     def read(self) -> VectorControl | None:
         try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            text = ""
+            text = read_capped(self.path, MAX_CONTROL).decode("utf-8", errors="replace")
+        except NotRegular as exc:
+            text = "" if str(exc) == "is missing" else f"unreadable: it {exc}"
         except OSError as exc:
-            text = f"unreadable: {exc}"
+            text = f"unreadable: {exc.strerror or exc}"
         if text != self._text:
             self._text, self._parsed = text, self._parse(text)
         return self._parsed
 
     def _parse(self, text: str) -> VectorControl | None:
         if not text.strip():
+            return None
+        if text.startswith("unreadable: "):
+            logger.warning("tap: vector control file %s cannot be read (%s); no rows are "
+                           "written until it is a regular file of at most %d bytes",
+                           self.path, text.partition(": ")[2], MAX_CONTROL)
             return None
         try:
             return VectorControl.model_validate_json(text)
