@@ -17,8 +17,12 @@ from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXPERTS_SWIGLU", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
+__all__ = ["EXPERTS_SWIGLU", "EXPERT_ROUNDING", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
            "TOPK_SOFTMAX"]
+
+EXPERT_ROUNDING = ("act", "each_op", "each_op_f32_weighting", "each_op_bf16_sum")
+"""Where ``moe_experts_swiglu`` rounds to bf16 (vLLM CPU's fused kernel; transformers' bf16 ops,
+by experts implementation and routing-weight dtype): see the family's description."""
 
 ROUTER_ORDER = ("Rows are in canonical order: descending weight, ties by ascending expert id; "
           "selection ties (equal scores) go to the lower expert id. Replay compares "
@@ -205,20 +209,38 @@ TOPK_GROUPED_SIGMOID = Template(
 EXPERTS_SWIGLU = Template(
     family="moe_experts_swiglu",
     op_type="moe",
-    name="moe_experts_swiglu_e{num_experts}_h{hidden_size}_i{intermediate_size}_topk{top_k}",
+    name=("moe_experts_swiglu_e{num_experts}_h{hidden_size}_i{intermediate_size}_topk{top_k}"
+          "_round_{rounding}"),
     description=(
         "Routed SwiGLU experts (no shared expert): for each token and each of its top_k "
         "(expert id, weight) pairs, gate_up = x @ w13[e].T with gate = the first "
         "intermediate_size rows of w13[e] and up = the rest (vLLM's and transformers' "
-        "[gate | up] layout), act = silu(gate) * up stored in bf16, y = act @ w2[e].T; the "
-        "output is the float32 sum of weight * y over the token's pairs, cast to bf16. Ids "
-        "must be in [0, num_experts). Engine mapping: vLLM CPU `cpu_fused_moe(out, input, "
+        "[gate | up] layout), act = silu(gate) * up, y = act @ w2[e].T, and the output is "
+        "the sum of weight * y over the token's pairs. Ids must be in [0, num_experts). "
+        "Where it rounds to bf16 is the name's last part (rounding); every scheme rounds "
+        "act to bf16 before the down projection and casts the output to bf16 at the end. "
+        "'act': nothing else is rounded (float32 gate_up, y, weight * y and sum; vLLM CPU "
+        "`cpu_fused_moe`). 'each_op': gate_up, silu(gate), act, y and weight * y are each "
+        "rounded to bf16, then summed over the token's pairs in float32 (transformers' "
+        "default grouped_mm / batched_mm experts with bf16 routing weights: Qwen3-MoE, "
+        "Qwen3-Next). 'each_op_f32_weighting': as 'each_op' but weight * y stays float32 "
+        "(the same transformers experts with float32 routing weights: DeepSeek-V3, "
+        "GLM-4-MoE). 'each_op_bf16_sum': as 'each_op', but the output starts at 0 and adds "
+        "each pair's rounded weight * y in ascending expert id, rounding to bf16 after every "
+        "add (transformers experts_implementation='eager'). weight is the float32 input; "
+        "products of bf16 values are exact in float32. Float32 sums (dot products, the sum "
+        "over pairs) run in the kernel's own order, which flips a rounding on rare "
+        "elements (1 ulp). Engine mapping: vLLM CPU `cpu_fused_moe(out, input, "
         "w13, w2, w13_bias=None, w2_bias=None, topk_weights, topk_ids, act='silu', isa, "
         "skip_weighted=False)` with `out` read after the call; its w13/w2 arrive prepacked "
         "by `cpu_prepack_moe_weight` (and the intermediate size zero-padded to a multiple "
-        "of 32), so capture must record the unpacked [E, 2I, H] / [E, H, I] weights. "
+        "of 32), so capture must record the unpacked [E, 2I, H] / [E, H, I] weights; "
+        "rounding 'act'. Its build for AVX512-BF16 CPUs rounds to nearest even as this "
+        "reference does; its AVX-512F and AVX2 builds convert float32 to bf16 by truncation "
+        "(act and the output, up to 1 ulp towards zero each), within the compare rule. "
         "transformers `*Experts.forward(hidden_states, top_k_index, top_k_weights)` with "
-        "w13 = gate_up_proj, w2 = down_proj (it computes in bf16 throughout)."),
+        "w13 = gate_up_proj, w2 = down_proj; its rounding follows the model's "
+        "experts_implementation and routing-weight dtype (above)."),
     axes={"num_tokens": var("Tokens in this call."),
           "num_experts": const("Experts held by this rank."),
           "hidden_size": const("Model hidden size."),
@@ -239,6 +261,8 @@ EXPERTS_SWIGLU = Template(
     reference="moe_experts_swiglu.py",
     generate=_experts_inputs,
     compare={"output": CompareRule(atol=1e-2, rtol=2e-2)},
+    params={"rounding": "act"},
+    choices={"rounding": EXPERT_ROUNDING},
     constraints=("top_k <= num_experts", "gemm1_out_size == 2 * intermediate_size"),
     tags=("stage:moe_experts",),
     engines=("vllm", "transformers"),

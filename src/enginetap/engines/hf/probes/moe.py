@@ -5,7 +5,8 @@
   ``moe_topk_grouped_sigmoid``, with the router's own ``routed_scaling_factor`` (transformers
   scales inside the router; the catalog's ``engine="transformers"`` convention);
 - ``*Experts.forward(hidden_states, top_k_index, top_k_weights)`` → ``moe_experts_swiglu``
-  with ``w13 = gate_up_proj`` ([E, 2I, H], gate first) and ``w2 = down_proj`` ([E, H, I]).
+  with ``w13 = gate_up_proj`` ([E, 2I, H], gate first) and ``w2 = down_proj`` ([E, H, I]);
+  its ``rounding`` follows the model's experts implementation and routing-weight dtype.
 
 Routers return ``(router_logits, weights, indices)`` over the flattened padded batch; the
 router's logits are its own matmul's output, the definition's input.
@@ -93,11 +94,25 @@ def _define_experts(call: ProbeCall) -> Definition | None:
             or gate_up.dim() != 3 or gate_up.dtype != torch.bfloat16):
         return None
     experts, two_i, hidden = (int(d) for d in gate_up.shape)
-    if tuple(down.shape) != (experts, hidden, two_i // 2):
+    rounding = _rounding(module, call.args["top_k_weights"])
+    if tuple(down.shape) != (experts, hidden, two_i // 2) or rounding is None:
         return None
     return instantiate("moe_experts_swiglu", num_experts=experts, hidden_size=hidden,
                        intermediate_size=two_i // 2, gemm1_out_size=two_i,
-                       top_k=int(ids.shape[-1]))
+                       top_k=int(ids.shape[-1]), rounding=rounding)
+
+
+def _rounding(module: object, weights: torch.Tensor) -> str | None:
+    """Where this experts module rounds (the family's ``rounding``), from the model's
+    experts implementation and the routing weights' dtype; ``None``: a scheme no
+    definition describes (hub kernels), so nothing is captured."""
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation == "eager":
+        return "each_op_bf16_sum"  # index_add_ into a bf16 output, expert by expert
+    if implementation in ("grouped_mm", "batched_mm"):
+        # y * weight in the promoted dtype, then a float32 sum over the token's pairs.
+        return "each_op" if weights.dtype == torch.bfloat16 else "each_op_f32_weighting"
+    return None
 
 
 def _adapt_experts(call: ProbeCall) -> Extracted:
