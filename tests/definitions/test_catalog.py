@@ -17,7 +17,7 @@ EXPECTED = {
               "gqa_paged_decode_h4_kv2_d32_ps16_bfloat16"},
     "qwen3_next": {"rmsnorm_offset_h128_bfloat16", "gqa_ragged_prefill_causal_h4_kv2_d64_bfloat16",
                    "gdn_prefill_qk2_v4_d64_bfloat16", "gdn_decode_qk2_v4_d64_bfloat16",
-                   "moe_topk_softmax_e8_topk2_norm1_bfloat16",
+                   "moe_topk_softmax_e8_topk2_norm1_bfloat16_round_each_op",
                    "moe_experts_swiglu_e8_h128_i64_topk2_round_act"},
     "deepseek_v3": {"mla_paged_decode_h4_ckv512_kpe64_ps16_bfloat16",
                     "moe_topk_grouped_sigmoid_e8_topk2_ng4_kg2_norm1_rs1_float32"},

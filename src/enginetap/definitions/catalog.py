@@ -196,5 +196,7 @@ def _moe(cfg: _Config, engine: Engine) -> list[tuple[str, dict[str, Any]]]:
             "routed_scaling_factor": scale})
     else:
         router = ("moe_topk_softmax", {"num_experts": experts, "top_k": top_k,
-                                       "renormalize": renormalize})
+                                       "renormalize": renormalize,
+                                       "rounding": "output" if engine == "transformers"
+                                       else "each_op"})
     return [router, ("moe_experts_swiglu", experts_values)]

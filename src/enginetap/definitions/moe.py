@@ -17,17 +17,32 @@ from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXPERTS_SWIGLU", "EXPERT_ROUNDING", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
-           "TOPK_SOFTMAX"]
+__all__ = ["EXPERTS_SWIGLU", "EXPERT_ROUNDING", "ROUTER_ROUNDING", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
+           "TOPK_SOFTMAX", "canonical_routing"]
 
 EXPERT_ROUNDING = ("act", "each_op", "each_op_f32_weighting", "each_op_bf16_sum")
 """Where ``moe_experts_swiglu`` rounds to bf16 (vLLM CPU's fused kernel; transformers' bf16 ops,
 by experts implementation and routing-weight dtype): see the family's description."""
 
+ROUTER_ROUNDING = ("none", "output", "each_op")
+"""Where ``moe_topk_softmax`` rounds its weights to the logits dtype: see its description."""
+
 ROUTER_ORDER = ("Rows are in canonical order: descending weight, ties by ascending expert id; "
           "selection ties (equal scores) go to the lower expert id. Replay compares "
           "topk_ids as sets and topk_weights after sorting the engine's (id, weight) pairs "
           "of each row into the same order.")
+
+
+def canonical_routing(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+    """A router's ``(weights, ids)`` rows in the routers' canonical order (descending weight,
+    then ascending expert id): what capture stores, whatever order the engine listed."""
+    import torch
+
+    ids_sorted, order = torch.sort(ids.to(torch.int64), dim=-1)
+    weights = weights.gather(-1, order)
+    weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+    return weights, ids_sorted.gather(-1, order).to(torch.int32)
 
 
 def _dtype(definition: Definition, name: str) -> torch.dtype:
@@ -129,14 +144,24 @@ def _token_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
 TOPK_SOFTMAX = Template(
     family="moe_topk_softmax",
     op_type="moe_router",
-    name="moe_topk_softmax_e{num_experts}_topk{top_k}_norm{renormalize:d}_{logits_dtype}",
+    name=("moe_topk_softmax_e{num_experts}_topk{top_k}_norm{renormalize:d}_{logits_dtype}"
+          "_round_{rounding}"),
     description=(
         "Softmax top-k MoE router (Mixtral, Qwen2/3-MoE, Qwen3-Next): probabilities = "
         "softmax(router_logits) in float32; the top_k experts by logit are chosen; with "
         "renormalize (Qwen3's norm_topk_prob) their probabilities are divided by their sum. "
-        + ROUTER_ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math in "
-        "`_softmax_topk`, which computes in the logits dtype); transformers "
-        "`Qwen3MoeTopKRouter` (returns bf16 weights)."),
+        "topk_weights is a float32 tensor; where its values are rounded to the logits dtype "
+        "is the name's last part (rounding): 'none': never (float32 weights); 'output': the "
+        "float32 weights rounded once to the logits dtype (transformers `*TopKRouter`, which "
+        "returns them in the logits dtype); 'each_op': every op in the logits dtype, as "
+        "vLLM CPU `_softmax_topk` computes: with renormalize, softmax of the chosen logits "
+        "(float32 inside, rounded once), else logsumexp(router_logits), chosen - logsumexp "
+        "and its exp each rounded to the logits dtype. The canonical order (below) is taken "
+        "on the rounded weights, so ties the rounding creates are listed by ascending id. "
+        + ROUTER_ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math "
+        "in `_softmax_topk`): rounding 'each_op'; transformers `Qwen3MoeTopKRouter` / "
+        "`Qwen3NextTopKRouter`: rounding 'output'. Capture stores every row in canonical "
+        "order."),
     axes={"num_tokens": var("Tokens routed in this call."),
           "num_experts": const("Routed experts (global)."),
           "top_k": const("Experts chosen per token.")},
@@ -149,8 +174,9 @@ TOPK_SOFTMAX = Template(
     # not renormalizing) is off by up to ~3%, transformers casts weights back to bf16.
     compare={"topk_ids": CompareRule(kind="selection", scores="router_logits"),
              "topk_weights": CompareRule(atol=1e-5, rtol=4e-2, paired_with="topk_ids")},
-    params={"renormalize": True, "logits_dtype": "bfloat16"},
-    choices={"logits_dtype": ("bfloat16", "float16", "float32")},
+    params={"renormalize": True, "logits_dtype": "bfloat16", "rounding": "none"},
+    choices={"logits_dtype": ("bfloat16", "float16", "float32"),
+             "rounding": ROUTER_ROUNDING},
     constraints=("top_k <= num_experts",),
     tags=("stage:moe_router",),
     engines=("vllm", "transformers"),

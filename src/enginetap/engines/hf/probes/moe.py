@@ -18,6 +18,7 @@ import torch
 
 from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.dataset.schema import Definition
+from enginetap.definitions.moe import canonical_routing
 from enginetap.engines.hf.probes.common import DTYPES, PAD_NOTE, instantiate, token_rows
 
 __all__ = ["MOE_PROBES"]
@@ -31,10 +32,10 @@ def _router_outputs(call: ProbeCall, notes: list[str]) -> dict[str, torch.Tensor
     if weights.dtype != torch.float32:
         notes.append(f"topk_weights: the engine returns {DTYPES.get(weights.dtype)}; widened "
                      "to float32 without loss")
-    notes.append(f"topk_ids: {ids.dtype} -> int32; rows in the engine's own order (replay "
-                 "compares ids as sets)")
-    return {"topk_weights": token_rows(call, weights).float(),
-            "topk_ids": token_rows(call, ids).to(torch.int32)}
+    notes.append(f"topk_ids: {ids.dtype} -> int32; (weight, id) pairs sorted into canonical "
+                 "order (descending weight, then ascending id), as the definition states")
+    weights, ids = canonical_routing(token_rows(call, weights).float(), token_rows(call, ids))
+    return {"topk_weights": weights, "topk_ids": ids}
 
 
 def _define_softmax(call: ProbeCall) -> Definition | None:
@@ -42,9 +43,10 @@ def _define_softmax(call: ProbeCall) -> Definition | None:
     dtype = DTYPES.get(module.weight.dtype)
     if dtype is None:
         return None
+    # The router computes in float32 and returns its weights in the logits dtype.
     return instantiate("moe_topk_softmax", num_experts=int(module.num_experts),
                        top_k=int(module.top_k), renormalize=bool(module.norm_topk_prob),
-                       logits_dtype=dtype)
+                       logits_dtype=dtype, rounding="output")
 
 
 def _adapt_softmax(call: ProbeCall) -> Extracted:
