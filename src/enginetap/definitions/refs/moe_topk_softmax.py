@@ -18,8 +18,15 @@ def _weights(router_logits, ids):
         # Each op's result in the logits dtype, as vLLM CPU's _softmax_topk computes.
         if renormalize:
             return torch.softmax(chosen, dim=-1).to(dtype).float()
-        log_z = torch.logsumexp(logits, dim=-1, keepdim=True).to(dtype).float()
-        return (chosen - log_z).to(dtype).float().exp().to(dtype).float()
+        # logsumexp = m + log(sum(exp(x - m))), m the row max, each op rounded (the sum
+        # accumulated in float32).
+        def op(t):
+            return t.to(dtype).float()
+
+        m = logits.amax(dim=-1, keepdim=True)
+        total = op(op(op(logits - m).exp()).sum(dim=-1, keepdim=True))
+        log_z = op(op(total.log()) + m)
+        return op(op(chosen - log_z).exp())
     weights = torch.softmax(logits, dim=-1).gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
