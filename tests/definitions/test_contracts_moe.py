@@ -259,3 +259,27 @@ def test_vllm_softmax_router_is_rounding_each_op_bit_for_bit(dtype, renormalize)
     assert counts["none"] < engine_w.numel(), counts
     if not renormalize:  # with renormalize, both round one float32 softmax once
         assert counts["output"] < engine_w.numel(), counts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_vllm_grouped_router_weights_are_float32_bit_for_bit(dtype, scale):
+    """moe_topk_grouped_sigmoid never rounds: vLLM widens 16-bit logits to float32 first."""
+    cpu_router = pytest.importorskip("vllm.model_executor.layers.fused_moe.router.cpu_router")
+    from enginetap.definitions.moe import canonical_routing
+
+    template = get_template("moe_topk_grouped_sigmoid")
+    definition = template.instantiate(num_experts=16, top_k=3, n_group=4, topk_group=2,
+                                      routed_scaling_factor=scale, logits_dtype=dtype)
+    inputs = template.synthetic_inputs(definition, {"num_tokens": 64}, seed=6)
+    weights, ids = compile_reference(definition.reference, definition.name)(**inputs)
+    engine_w, engine_ids = canonical_routing(*cpu_router._grouped_topk(
+        inputs["router_logits"], 3, True, 4, 2, "sigmoid", scale,
+        inputs["e_score_correction_bias"]))
+    # A third of the rows hold a planted exact tie, which vLLM's topk may give the higher
+    # id (a selection the compare rule accepts); compare weights on the rows that agree.
+    same = (ids == engine_ids).all(-1)
+    assert int(same.sum()) >= 48
+    assert torch.equal(weights[same], engine_w[same])
+    rounded = weights.to(getattr(torch, dtype)).float()
+    assert int((rounded[same] == engine_w[same]).sum()) < engine_w[same].numel()
