@@ -283,3 +283,49 @@ def test_vllm_grouped_router_weights_are_float32_bit_for_bit(dtype, scale):
     assert torch.equal(weights[same], engine_w[same])
     rounded = weights.to(getattr(torch, dtype)).float()
     assert int((rounded[same] == engine_w[same]).sum()) < engine_w[same].numel()
+
+
+# ------------------------------------------------------- vLLM CPU engine captures (slow)
+def _vllm_build() -> str:
+    """The library vLLM CPU loads here (platforms/cpu.py's rule)."""
+    if not torch.cpu._is_avx512_supported():
+        return "_C_AVX2"
+    return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3_next", "deepseek_v3"])
+def test_vllm_captures_follow_their_declared_rounding(model, vllm_lock, tmp_path):
+    """Captured through vLLM CPU itself: experts are 'act' (rounding to nearest in the
+    AVX512-BF16 build, truncating in the others) except float32 summation-order flips
+    (measured: 0 of 14,592 and 1 of 23,040 elements); routers are their reference bit for
+    bit, in canonical order."""
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("AMX CPUs run cpu_fused_moe's 'amx' path, not measured")
+    from enginetap.models import build_model
+    from tests.capture.vllm_capture_checks import run_capture
+
+    root = run_capture(build_model(model), tmp_path / model, timeout=900).out / "dataset"
+    dataset, name = _captured(root, "moe_experts_swiglu")
+    definition, total = dataset.definition(name), _elements(dataset, name)["output"]
+    assert name.endswith("_round_act")
+    counts = {r: _exact(_variant(definition, "moe_experts_swiglu", rounding=r), dataset,
+                        name)["output"] for r in EXPERT_ROUNDING}
+    if _vllm_build() == "_C":
+        declared = counts["act"]
+    else:
+        intermediate = definition.axes["intermediate_size"].value
+        declared = sum(int((_truncating_act(dataset.load_inputs(line), intermediate)
+                            == dataset.load_outputs(line)["output"]).sum())
+                       for line in dataset.workloads(name))
+    assert declared >= 0.999 * total, counts
+    assert all(c < 0.5 * total for r, c in counts.items() if r != "act"), counts
+    router = "moe_topk_softmax" if model == "qwen3_next" else "moe_topk_grouped_sigmoid"
+    dataset, name = _captured(root, router)
+    run = compile_reference(dataset.definition(name).reference, name)
+    exact, total = _exact(run, dataset, name), _elements(dataset, name)
+    # Weights bit for bit; an id may differ only where vLLM's topk took the other expert of
+    # an exact tie (same weight either way).
+    assert exact["topk_weights"] == total["topk_weights"]
+    assert exact["topk_ids"] >= 0.99 * total["topk_ids"]
