@@ -288,6 +288,9 @@ def test_vllm_grouped_router_weights_are_float32_bit_for_bit(dtype, scale):
 
 
 # ------------------------------------------------------- vLLM CPU engine captures (slow)
+_NOT_EXPOSED = "not exposed by this engine"
+
+
 def _vllm_build() -> str:
     """The library vLLM CPU loads here (platforms/cpu.py's rule)."""
     if not torch.cpu._is_avx512_supported():
@@ -334,3 +337,9 @@ def test_vllm_captures_follow_their_declared_rounding(model, vllm_lock, tmp_path
     # an exact tie (same weight either way).
     assert exact["topk_weights"] == total["topk_weights"]
     assert exact["topk_ids"] >= 0.99 * total["topk_ids"]
+    # vLLM's attention kernels return no lse: its receipts say so.
+    attention = [n for n in dataset.definitions() if n.startswith(("gqa_", "mla_"))]
+    assert attention
+    for name in attention:
+        assert all(line.enginetap.receipt.notes["not_exposed"] == {"lse": _NOT_EXPOSED}
+                   for line in dataset.workloads(name))
