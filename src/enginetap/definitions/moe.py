@@ -2,8 +2,14 @@
 
 Routers return ``(topk_weights float32, topk_ids int32)`` in one canonical order: each row
 sorted by descending weight, ties by ascending expert id. Engines list their picks in any
-order (vLLM's ``torch.topk(..., sorted=False)``), so ids are compared as sets and weights
-only after the engine's ``(id, weight)`` pairs are put into that same order.
+order (vLLM's ``torch.topk(..., sorted=False)``), so capture sorts them
+(:func:`canonical_routing`), ids are compared as sets and weights only after the engine's
+``(id, weight)`` pairs are put into that same order.
+
+Where the softmax router and the experts round to 16 bits differs by engine, so it is a
+parameter and part of the name (``rounding``): see :data:`ROUTER_ROUNDING`,
+:data:`EXPERT_ROUNDING` and the families' descriptions; ``tests/definitions/
+test_contracts_moe.py`` counts exact matches per scheme on what the engines produce.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXPERTS_SWIGLU", "EXPERT_ROUNDING", "ROUTER_ROUNDING", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
-           "TOPK_SOFTMAX", "canonical_routing"]
+__all__ = ["EXPERTS_SWIGLU", "EXPERT_ROUNDING", "ROUTER_ORDER", "ROUTER_OUTPUTS",
+           "ROUTER_ROUNDING", "TOPK_GROUPED_SIGMOID", "TOPK_SOFTMAX", "canonical_routing"]
 
 EXPERT_ROUNDING = ("act", "each_op", "each_op_f32_weighting", "each_op_bf16_sum")
 """Where ``moe_experts_swiglu`` rounds to bf16 (vLLM CPU's fused kernel; transformers' bf16 ops,
@@ -171,8 +177,9 @@ TOPK_SOFTMAX = Template(
     outputs=ROUTER_OUTPUTS,
     reference="moe_topk_softmax.py",
     generate=_softmax_router_inputs,
-    # Engines compute in the logits dtype: vLLM CPU's exp(logit - logsumexp) in bf16 (when
-    # not renormalizing) is off by up to ~3%, transformers casts weights back to bf16.
+    # Across rounding schemes weights differ: vLLM CPU's exp(logit - logsumexp) in bf16
+    # ('each_op' without renormalize) is up to ~3% from the float32 value ('none'), so a
+    # kernel of another scheme still passes; the captured bytes are the declared scheme's.
     compare={"topk_ids": CompareRule(kind="selection", scores="router_logits"),
              "topk_weights": CompareRule(atol=1e-5, rtol=4e-2, paired_with="topk_ids")},
     params={"renormalize": True, "logits_dtype": "bfloat16", "rounding": "none"},
