@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from enginetap import __version__
@@ -74,9 +74,11 @@ class Provenance:
         else:
             keys = list(dict.fromkeys(step.rows.keys[i] for i in extracted.rows))
             count = len(extracted.rows)
+        declared = call.definition.outputs if call.definition is not None else {}
         return Facts(step.step, step.mode, keys, call.layer, call.probe.name,
                      call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
-                     variant, count, len(step.rows), list(extracted.notes))
+                     variant, count, len(step.rows), list(extracted.notes),
+                     [name for name in declared if name not in extracted.outputs])
 
     def receipt(self, facts: Facts, labels: dict[str, dict[str, Any]]) -> Receipt:
         """The workload's receipt (built on the writer thread)."""
@@ -94,7 +96,11 @@ class Provenance:
                                         "requests_bucket", "layer"), facts.variant)),
                    "requests": {k: labels.get(k, {}) for k in facts.keys},
                    "rows": facts.rows, "step_rows": facts.step_rows,
-                   "adapter": facts.notes})
+                   "adapter": facts.notes,
+                   # Declared outputs this engine does not expose: not stored, so replay
+                   # compares the others (all absent: an inputs-only workload).
+                   "not_exposed": {name: "not exposed by this engine"
+                                   for name in facts.not_exposed}})
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,7 @@ class Facts:
     rows: int
     step_rows: int
     notes: list[str]
+    not_exposed: list[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Facts:

@@ -189,6 +189,13 @@ def _validate_and_replay(root: Path) -> bool:
     return ok
 
 
+def _unexposed(checks) -> str:
+    from enginetap.replay.report import NOT_EXPOSED
+
+    names = dict.fromkeys(c.output for c in checks if c.message == NOT_EXPOSED)
+    return f"{', '.join(names)}: not exposed by this engine" if names else ""
+
+
 def _verdict(result) -> tuple[str, str, str]:
     """One verdict per definition: PASS, INPUTS ONLY (nothing stored to compare), or the
     worst status with the first reason."""
@@ -197,7 +204,7 @@ def _verdict(result) -> tuple[str, str, str]:
               if c.comparison is not None and c.comparison.max_abs_error is not None]
     worst = f"{max(errors):.3g}" if errors else "-"
     if result.status == "PASS":
-        return "PASS", "", worst
+        return "PASS", _unexposed(checks), worst
     reasons = [c.message or "" for c in checks if c.status != "PASS"] + [
         w.message or "" for w in result.workloads if w.status != "PASS" and not w.checks]
     if reasons and all(r.startswith("nothing compared") for r in reasons):

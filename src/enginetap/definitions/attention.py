@@ -143,6 +143,13 @@ def _generate_paged(definition: Definition, axes: Mapping[str, int], gen: torch.
     return {**tensors, **layout, "sm_scale": consts["head_dim"] ** -0.5}
 
 
+_ROUNDING_NOTE = (
+    "Rounding: float32 softmax and P @ V, the output rounded once. transformers' bf16 SDPA "
+    "on CPU instead rounds exp(logits - row max) to bf16 before P @ V and divides by the "
+    "float32 sum after (its stored bytes differ from this reference on a quarter to a third "
+    "of elements, measured on qwen3_next), within the compare rule; no family names that "
+    "scheme yet.")
+
 PAGED_CONTRACT = (" kv_last_page_len[b] is in 1..page_size for a request with pages; a request "
           "without pages (kv_indptr[b] == kv_indptr[b+1]) attends nothing: output 0, lse "
           "-inf, its kv_last_page_len ignored. A row's output depends only on the tokens it "
@@ -164,8 +171,11 @@ GQA_RAGGED_PREFILL = Template(
         "vLLM CPU: CPUAttentionBackendImpl.forward (v1/attention/backends/cpu_attn.py): query -> "
         "q, attn_metadata.query_start_loc -> qo_indptr, seq_lens -> kv_indptr (prefix sums); k/v "
         "are each request's cached keys/values (the kernel packs its cache per ISA, so read them "
-        "at do_kv_cache_update), self.scale -> sm_scale; vLLM returns no lse. transformers: the "
-        "attention interface (eager/sdpa) with causal mask, one request per batch row."),
+        "at do_kv_cache_update), self.scale -> sm_scale. transformers: the "
+        "attention interface (eager/sdpa) with causal mask, one request per batch row. "
+        "Neither engine returns lse: their workloads store output only, and the capture "
+        "receipt and replay report say lse is not exposed by this engine. " +
+        _ROUNDING_NOTE),
     axes={"total_q": var("query tokens of all requests"),
           "total_kv": var("key/value tokens of all requests"),
           "len_indptr": var("requests + 1"), **_HEADS},
@@ -200,7 +210,10 @@ GQA_PAGED_DECODE = Template(
         "CPUAttentionBackendImpl.forward on decode steps: block_table rows -> kv_indices, seq_lens "
         "-> kv_indptr / kv_last_page_len, block_size -> page_size, self.scale -> sm_scale; its "
         "cache is ISA-packed, so pages are rebuilt from the keys/values of do_kv_cache_update. "
-        "transformers: generate_batch's paged attention (paged cache, one token per request)."),
+        "transformers: generate_batch's paged attention (paged cache, one token per request). "
+        "Neither engine returns lse: their workloads store output only, and the capture "
+        "receipt and replay report say lse is not exposed by this engine. " +
+        _ROUNDING_NOTE),
     axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
           "num_pages": var("pages in the cache"), "num_kv_indices": var("pages in use"),
           "page_size": const("tokens per page"), **_HEADS},

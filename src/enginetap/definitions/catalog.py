@@ -181,8 +181,14 @@ def _moe(cfg: _Config, engine: Engine) -> list[tuple[str, dict[str, Any]]]:
     renormalize = bool(cfg.raw.get("norm_topk_prob", True))
     inter = cfg.get("moe_intermediate_size")
     experts_values = {"num_experts": experts, "hidden_size": cfg.get("hidden_size"),
-                      "intermediate_size": inter, "gemm1_out_size": 2 * inter, "top_k": top_k}
-    if cfg.has("n_group") or cfg.raw.get("scoring_func") == "sigmoid":
+                      "intermediate_size": inter, "gemm1_out_size": 2 * inter, "top_k": top_k,
+                      "rounding": "act"}
+    grouped = cfg.has("n_group") or cfg.raw.get("scoring_func") == "sigmoid"
+    if engine == "transformers":
+        # Its default (grouped_mm) experts weight in the routing weights' dtype: float32
+        # from the sigmoid router, the model's dtype from the softmax one.
+        experts_values["rounding"] = "each_op_f32_weighting" if grouped else "each_op"
+    if grouped:
         scale = 1.0 if engine == "vllm" else float(cfg.raw.get("routed_scaling_factor", 1.0))
         router = ("moe_topk_grouped_sigmoid", {
             "num_experts": experts, "top_k": top_k, "n_group": cfg.raw.get("n_group") or 1,
@@ -190,5 +196,7 @@ def _moe(cfg: _Config, engine: Engine) -> list[tuple[str, dict[str, Any]]]:
             "routed_scaling_factor": scale})
     else:
         router = ("moe_topk_softmax", {"num_experts": experts, "top_k": top_k,
-                                       "renormalize": renormalize})
+                                       "renormalize": renormalize,
+                                       "rounding": "output" if engine == "transformers"
+                                       else "each_op"})
     return [router, ("moe_experts_swiglu", experts_values)]

@@ -53,7 +53,7 @@ MLA_PAGED_DECODE = Template(
         "scale, block_tables, seq_lens): q[..., :head_dim_ckv] -> q_nope, q[..., head_dim_ckv:] -> "
         "q_pe, kv_cache[..., :head_dim_ckv] -> ckv_cache, kv_cache[..., head_dim_ckv:] -> "
         "kpe_cache, block_tables rows -> kv_indices, seq_lens -> kv_indptr / kv_last_page_len, "
-        "scale -> sm_scale, out -> output (no lse). AMX machines run amx_mla.py's forward_mqa "
+        "scale -> sm_scale, out -> output (lse: not exposed, so not stored). AMX machines run amx_mla.py's forward_mqa "
         "instead, same math. transformers runs MLA un-absorbed on a dense cache, not this form."),
     axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
           "num_pages": var("pages in the cache"), "num_kv_indices": var("pages in use"),
@@ -135,17 +135,26 @@ MLA_PAGED_PREFILL = Template(
     description=(
         "Absorbed MLA prefill (causal, prefix-aware) over a paged latent cache: logits = "
         "sm_scale * (q_nope.ckv + q_pe.kpe), output = softmax(logits) @ ckv, lse in base 2. "
-        "Request b owns query rows qo_indptr[b]:qo_indptr[b+1] and pages "
-        "kv_indices[kv_indptr[b]:kv_indptr[b+1]] (the last holding kv_last_page_len[b] "
-        "tokens, which include its new tokens); its n queries are its last n tokens and "
-        "query i attends its first L - n + i + 1 tokens; its output depends on those "
-        "tokens only (latents of later tokens never reach it, even non-finite ones). vLLM CPU on AMX machines: "
+        "Request b owns n = qo_indptr[b+1] - qo_indptr[b] query rows and P pages "
+        "kv_indices[kv_indptr[b]:kv_indptr[b+1]], all full but the last, which holds "
+        "kv_last_page_len[b] tokens: its L = (P - 1) * page_size + kv_last_page_len[b] "
+        "tokens are its cached prefix followed by its n new tokens. Its n queries are its "
+        "last n tokens: query i (0-based) attends tokens 0 .. L - n + i, so every query "
+        "attends at least one token; its output depends on those tokens only (latents of "
+        "later tokens never reach it, even non-finite ones). Valid input: a request with "
+        "queries has pages, kv_last_page_len[b] in 1..page_size and n <= L (anything else "
+        "is refused, not guessed at); a request with no queries (n = 0, pages or not) "
+        "produces no rows and its pages and kv_last_page_len are not read. lse is the "
+        "base-2 log-sum-exp of each query row's logits; vLLM's kernel does not return it, "
+        "so workloads captured from vLLM store output only and replay reports lse as not "
+        "exposed by this engine. vLLM CPU on AMX machines: "
         "AMXMLAImpl.forward_mha (v1/attention/backends/mla/amx_mla.py) absorbs W_UK into "
         "the query and calls ops.cpu_mla_extend(q_extend, k_extend, v_extend, o_extend, "
         "k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_seq_lens, "
         "extend_start_loc, ...): q_extend[..., :head_dim_ckv] -> q_nope, the rest -> q_pe; "
         "each request's cached prefix (k_buffer rows at req_to_token) followed by its new "
-        "tokens (k_extend) -> pages of ckv_cache / kpe_cache; o_extend -> output (no lse). "
+        "tokens (k_extend) -> pages of ckv_cache / kpe_cache; o_extend -> output (lse: not "
+        "exposed). "
         "W_UV is applied after, outside this op."),
     axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
           "total_q": var("query tokens of all requests"),

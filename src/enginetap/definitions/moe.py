@@ -2,8 +2,14 @@
 
 Routers return ``(topk_weights float32, topk_ids int32)`` in one canonical order: each row
 sorted by descending weight, ties by ascending expert id. Engines list their picks in any
-order (vLLM's ``torch.topk(..., sorted=False)``), so ids are compared as sets and weights
-only after the engine's ``(id, weight)`` pairs are put into that same order.
+order (vLLM's ``torch.topk(..., sorted=False)``), so capture sorts them
+(:func:`canonical_routing`), ids are compared as sets and weights only after the engine's
+``(id, weight)`` pairs are put into that same order.
+
+Where the softmax router and the experts round to 16 bits differs by engine, so it is a
+parameter and part of the name (``rounding``): see :data:`ROUTER_ROUNDING`,
+:data:`EXPERT_ROUNDING` and the families' descriptions; ``tests/definitions/
+test_contracts_moe.py`` counts exact matches per scheme on what the engines produce.
 """
 
 from __future__ import annotations
@@ -17,13 +23,32 @@ from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXPERTS_SWIGLU", "ROUTER_ORDER", "ROUTER_OUTPUTS", "TOPK_GROUPED_SIGMOID",
-           "TOPK_SOFTMAX"]
+__all__ = ["EXPERTS_SWIGLU", "EXPERT_ROUNDING", "ROUTER_ORDER", "ROUTER_OUTPUTS",
+           "ROUTER_ROUNDING", "TOPK_GROUPED_SIGMOID", "TOPK_SOFTMAX", "canonical_routing"]
+
+EXPERT_ROUNDING = ("act", "each_op", "each_op_f32_weighting", "each_op_bf16_sum")
+"""Where ``moe_experts_swiglu`` rounds to bf16 (vLLM CPU's fused kernel; transformers' bf16 ops,
+by experts implementation and routing-weight dtype): see the family's description."""
+
+ROUTER_ROUNDING = ("none", "output", "each_op")
+"""Where ``moe_topk_softmax`` rounds its weights to the logits dtype: see its description."""
 
 ROUTER_ORDER = ("Rows are in canonical order: descending weight, ties by ascending expert id; "
           "selection ties (equal scores) go to the lower expert id. Replay compares "
           "topk_ids as sets and topk_weights after sorting the engine's (id, weight) pairs "
           "of each row into the same order.")
+
+
+def canonical_routing(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+    """A router's ``(weights, ids)`` rows in the routers' canonical order (descending weight,
+    then ascending expert id): what capture stores, whatever order the engine listed."""
+    import torch
+
+    ids_sorted, order = torch.sort(ids.to(torch.int64), dim=-1)
+    weights = weights.gather(-1, order)
+    weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+    return weights, ids_sorted.gather(-1, order).to(torch.int32)
 
 
 def _dtype(definition: Definition, name: str) -> torch.dtype:
@@ -125,14 +150,25 @@ def _token_axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
 TOPK_SOFTMAX = Template(
     family="moe_topk_softmax",
     op_type="moe_router",
-    name="moe_topk_softmax_e{num_experts}_topk{top_k}_norm{renormalize:d}_{logits_dtype}",
+    name=("moe_topk_softmax_e{num_experts}_topk{top_k}_norm{renormalize:d}_{logits_dtype}"
+          "_round_{rounding}"),
     description=(
         "Softmax top-k MoE router (Mixtral, Qwen2/3-MoE, Qwen3-Next): probabilities = "
         "softmax(router_logits) in float32; the top_k experts by logit are chosen; with "
         "renormalize (Qwen3's norm_topk_prob) their probabilities are divided by their sum. "
-        + ROUTER_ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math in "
-        "`_softmax_topk`, which computes in the logits dtype); transformers "
-        "`Qwen3MoeTopKRouter` (returns bf16 weights)."),
+        "topk_weights is a float32 tensor; where its values are rounded to the logits dtype "
+        "is the name's last part (rounding): 'none': never (float32 weights); 'output': the "
+        "float32 weights rounded once to the logits dtype (transformers `*TopKRouter`, which "
+        "returns them in the logits dtype); 'each_op': every op in the logits dtype, as "
+        "vLLM CPU `_softmax_topk` computes: with renormalize, softmax of the chosen logits "
+        "(float32 inside, rounded once), else z = m + log(sum(exp(router_logits - m))) with "
+        "m the row max, then exp(chosen - z), every op's result rounded to the logits dtype "
+        "(the sum accumulated in float32). The canonical order (below) is taken "
+        "on the rounded weights, so ties the rounding creates are listed by ascending id. "
+        + ROUTER_ORDER + " Engine mapping: vLLM CPU `CPURouter.select_experts` (EPLB off; math "
+        "in `_softmax_topk`): rounding 'each_op'; transformers `Qwen3MoeTopKRouter` / "
+        "`Qwen3NextTopKRouter`: rounding 'output'. Capture stores every row in canonical "
+        "order."),
     axes={"num_tokens": var("Tokens routed in this call."),
           "num_experts": const("Routed experts (global)."),
           "top_k": const("Experts chosen per token.")},
@@ -141,12 +177,14 @@ TOPK_SOFTMAX = Template(
     outputs=ROUTER_OUTPUTS,
     reference="moe_topk_softmax.py",
     generate=_softmax_router_inputs,
-    # Engines compute in the logits dtype: vLLM CPU's exp(logit - logsumexp) in bf16 (when
-    # not renormalizing) is off by up to ~3%, transformers casts weights back to bf16.
+    # Across rounding schemes weights differ: vLLM CPU's exp(logit - logsumexp) in bf16
+    # ('each_op' without renormalize) is up to ~3% from the float32 value ('none'), so a
+    # kernel of another scheme still passes; the captured bytes are the declared scheme's.
     compare={"topk_ids": CompareRule(kind="selection", scores="router_logits"),
              "topk_weights": CompareRule(atol=1e-5, rtol=4e-2, paired_with="topk_ids")},
-    params={"renormalize": True, "logits_dtype": "bfloat16"},
-    choices={"logits_dtype": ("bfloat16", "float16", "float32")},
+    params={"renormalize": True, "logits_dtype": "bfloat16", "rounding": "none"},
+    choices={"logits_dtype": ("bfloat16", "float16", "float32"),
+             "rounding": ROUTER_ROUNDING},
     constraints=("top_k <= num_experts",),
     tags=("stage:moe_router",),
     engines=("vllm", "transformers"),
@@ -205,20 +243,38 @@ TOPK_GROUPED_SIGMOID = Template(
 EXPERTS_SWIGLU = Template(
     family="moe_experts_swiglu",
     op_type="moe",
-    name="moe_experts_swiglu_e{num_experts}_h{hidden_size}_i{intermediate_size}_topk{top_k}",
+    name=("moe_experts_swiglu_e{num_experts}_h{hidden_size}_i{intermediate_size}_topk{top_k}"
+          "_round_{rounding}"),
     description=(
         "Routed SwiGLU experts (no shared expert): for each token and each of its top_k "
         "(expert id, weight) pairs, gate_up = x @ w13[e].T with gate = the first "
         "intermediate_size rows of w13[e] and up = the rest (vLLM's and transformers' "
-        "[gate | up] layout), act = silu(gate) * up stored in bf16, y = act @ w2[e].T; the "
-        "output is the float32 sum of weight * y over the token's pairs, cast to bf16. Ids "
-        "must be in [0, num_experts). Engine mapping: vLLM CPU `cpu_fused_moe(out, input, "
+        "[gate | up] layout), act = silu(gate) * up, y = act @ w2[e].T, and the output is "
+        "the sum of weight * y over the token's pairs. Ids must be in [0, num_experts). "
+        "Where it rounds to bf16 is the name's last part (rounding); every scheme rounds "
+        "act to bf16 before the down projection and casts the output to bf16 at the end. "
+        "'act': nothing else is rounded (float32 gate_up, y, weight * y and sum; vLLM CPU "
+        "`cpu_fused_moe`). 'each_op': gate_up, silu(gate), act, y and weight * y are each "
+        "rounded to bf16, then summed over the token's pairs in float32 (transformers' "
+        "default grouped_mm / batched_mm experts with bf16 routing weights: Qwen3-MoE, "
+        "Qwen3-Next). 'each_op_f32_weighting': as 'each_op' but weight * y stays float32 "
+        "(the same transformers experts with float32 routing weights: DeepSeek-V3, "
+        "GLM-4-MoE). 'each_op_bf16_sum': as 'each_op', but the output starts at 0 and adds "
+        "each pair's rounded weight * y in ascending expert id, rounding to bf16 after every "
+        "add (transformers experts_implementation='eager'). weight is the float32 input; "
+        "products of bf16 values are exact in float32. Float32 sums (dot products, the sum "
+        "over pairs) run in the kernel's own order, which flips a rounding on rare "
+        "elements (1 ulp). Engine mapping: vLLM CPU `cpu_fused_moe(out, input, "
         "w13, w2, w13_bias=None, w2_bias=None, topk_weights, topk_ids, act='silu', isa, "
         "skip_weighted=False)` with `out` read after the call; its w13/w2 arrive prepacked "
         "by `cpu_prepack_moe_weight` (and the intermediate size zero-padded to a multiple "
-        "of 32), so capture must record the unpacked [E, 2I, H] / [E, H, I] weights. "
+        "of 32), so capture must record the unpacked [E, 2I, H] / [E, H, I] weights; "
+        "rounding 'act'. Its build for AVX512-BF16 CPUs rounds to nearest even as this "
+        "reference does; its AVX-512F and AVX2 builds convert float32 to bf16 by truncation "
+        "(act and the output, up to 1 ulp towards zero each), within the compare rule. "
         "transformers `*Experts.forward(hidden_states, top_k_index, top_k_weights)` with "
-        "w13 = gate_up_proj, w2 = down_proj (it computes in bf16 throughout)."),
+        "w13 = gate_up_proj, w2 = down_proj; its rounding follows the model's "
+        "experts_implementation and routing-weight dtype (above)."),
     axes={"num_tokens": var("Tokens in this call."),
           "num_experts": const("Experts held by this rank."),
           "hidden_size": const("Model hidden size."),
@@ -239,6 +295,8 @@ EXPERTS_SWIGLU = Template(
     reference="moe_experts_swiglu.py",
     generate=_experts_inputs,
     compare={"output": CompareRule(atol=1e-2, rtol=2e-2)},
+    params={"rounding": "act"},
+    choices={"rounding": EXPERT_ROUNDING},
     constraints=("top_k <= num_experts", "gemm1_out_size == 2 * intermediate_size"),
     tags=("stage:moe_experts",),
     engines=("vllm", "transformers"),

@@ -21,8 +21,9 @@ from rich.table import Table
 
 from enginetap.replay.compare import Comparison
 
-__all__ = ["DefinitionResult", "OutputCheck", "ReplayOptions", "ReplayReport", "SolutionSummary",
-           "WorkloadResult", "problem_lines", "render_tables", "worst"]
+__all__ = ["NOT_EXPOSED", "DefinitionResult", "OutputCheck", "ReplayOptions", "ReplayReport",
+           "SolutionSummary", "WorkloadResult", "problem_lines", "render_tables",
+           "unexposed_lines", "worst"]
 
 Status = Literal["PASS", "SKIPPED", "FAIL", "ERROR", "REFUSED"]
 _RANK: dict[str, int] = {"PASS": 0, "SKIPPED": 1, "FAIL": 2, "ERROR": 3, "REFUSED": 4}
@@ -170,6 +171,10 @@ class ReplayReport(BaseModel):
         return out
 
 
+NOT_EXPOSED = "not exposed by this engine; not stored, so not compared"
+"""The message of a ``reference`` check on an output the capturing engine does not expose."""
+
+
 def summary_line(report: ReplayReport) -> str:
     """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``ok: nothing to replay``."""
     counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
@@ -180,9 +185,26 @@ def print_report(console: Console, report: ReplayReport) -> None:
     """The per-definition tables, then one line per problem (plain text, no markup)."""
     for table in render_tables(report):
         console.print(table)
-    for line in problem_lines(report):
+    for line in problem_lines(report) + unexposed_lines(report):
         # One line each, never wrapped: they are meant to be grepped.
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def unexposed_lines(report: ReplayReport) -> list[str]:
+    """One line per declared output that the capturing engine does not expose (so no
+    workload of the definition stores it): ``NOTE name: output lse not exposed by this
+    engine in 4 of 4 workload(s); not stored, so not compared``."""
+    lines = []
+    for d in report.definitions:
+        missing: dict[str, int] = {}
+        for w in d.workloads:
+            for c in w.checks:
+                if c.message == NOT_EXPOSED:
+                    missing[c.output] = missing.get(c.output, 0) + 1
+        lines += [f"NOTE {d.name}: output {name} not exposed by this engine in {n} of "
+                  f"{len(d.workloads)} workload(s); not stored, so not compared"
+                  for name, n in missing.items()]
+    return lines
 
 
 def render_tables(report: ReplayReport) -> list[Table]:

@@ -43,6 +43,7 @@ from enginetap.definitions.registry import known_template, templates
 from enginetap.errors import ConfigError, DatasetError, EnginetapError
 from enginetap.replay.compare import Comparison, compare_outputs, fallback_rule
 from enginetap.replay.report import (
+    NOT_EXPOSED,
     DefinitionResult,
     OutputCheck,
     ReplayOptions,
@@ -320,7 +321,7 @@ class _WorkloadReplay:
                 # Capture stores only what the engine computed (a kernel that returns no
                 # lse leaves it out): the reference's output was shape-checked, not compared.
                 checks.append(OutputCheck(output=name, check="reference", status="PASS",
-                                          message="the engine does not expose it; not stored"))
+                                          message=NOT_EXPOSED))
                 continue
             comparison = self._compare(name, data.expected, data.engine, data)
             checks.append(OutputCheck(output=name, check="engine", comparison=comparison,

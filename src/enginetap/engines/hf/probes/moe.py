@@ -5,7 +5,8 @@
   ``moe_topk_grouped_sigmoid``, with the router's own ``routed_scaling_factor`` (transformers
   scales inside the router; the catalog's ``engine="transformers"`` convention);
 - ``*Experts.forward(hidden_states, top_k_index, top_k_weights)`` → ``moe_experts_swiglu``
-  with ``w13 = gate_up_proj`` ([E, 2I, H], gate first) and ``w2 = down_proj`` ([E, H, I]).
+  with ``w13 = gate_up_proj`` ([E, 2I, H], gate first) and ``w2 = down_proj`` ([E, H, I]);
+  its ``rounding`` follows the model's experts implementation and routing-weight dtype.
 
 Routers return ``(router_logits, weights, indices)`` over the flattened padded batch; the
 router's logits are its own matmul's output, the definition's input.
@@ -17,6 +18,7 @@ import torch
 
 from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.dataset.schema import Definition
+from enginetap.definitions.moe import canonical_routing
 from enginetap.engines.hf.probes.common import DTYPES, PAD_NOTE, instantiate, token_rows
 
 __all__ = ["MOE_PROBES"]
@@ -30,10 +32,10 @@ def _router_outputs(call: ProbeCall, notes: list[str]) -> dict[str, torch.Tensor
     if weights.dtype != torch.float32:
         notes.append(f"topk_weights: the engine returns {DTYPES.get(weights.dtype)}; widened "
                      "to float32 without loss")
-    notes.append(f"topk_ids: {ids.dtype} -> int32; rows in the engine's own order (replay "
-                 "compares ids as sets)")
-    return {"topk_weights": token_rows(call, weights).float(),
-            "topk_ids": token_rows(call, ids).to(torch.int32)}
+    notes.append(f"topk_ids: {ids.dtype} -> int32; (weight, id) pairs sorted into canonical "
+                 "order (descending weight, then ascending id), as the definition states")
+    weights, ids = canonical_routing(token_rows(call, weights).float(), token_rows(call, ids))
+    return {"topk_weights": weights, "topk_ids": ids}
 
 
 def _define_softmax(call: ProbeCall) -> Definition | None:
@@ -41,9 +43,10 @@ def _define_softmax(call: ProbeCall) -> Definition | None:
     dtype = DTYPES.get(module.weight.dtype)
     if dtype is None:
         return None
+    # The router computes in float32 and returns its weights in the logits dtype.
     return instantiate("moe_topk_softmax", num_experts=int(module.num_experts),
                        top_k=int(module.top_k), renormalize=bool(module.norm_topk_prob),
-                       logits_dtype=dtype)
+                       logits_dtype=dtype, rounding="output")
 
 
 def _adapt_softmax(call: ProbeCall) -> Extracted:
@@ -93,11 +96,25 @@ def _define_experts(call: ProbeCall) -> Definition | None:
             or gate_up.dim() != 3 or gate_up.dtype != torch.bfloat16):
         return None
     experts, two_i, hidden = (int(d) for d in gate_up.shape)
-    if tuple(down.shape) != (experts, hidden, two_i // 2):
+    rounding = _rounding(module, call.args["top_k_weights"])
+    if tuple(down.shape) != (experts, hidden, two_i // 2) or rounding is None:
         return None
     return instantiate("moe_experts_swiglu", num_experts=experts, hidden_size=hidden,
                        intermediate_size=two_i // 2, gemm1_out_size=two_i,
-                       top_k=int(ids.shape[-1]))
+                       top_k=int(ids.shape[-1]), rounding=rounding)
+
+
+def _rounding(module: object, weights: torch.Tensor) -> str | None:
+    """Where this experts module rounds (the family's ``rounding``), from the model's
+    experts implementation and the routing weights' dtype; ``None``: a scheme no
+    definition describes (hub kernels), so nothing is captured."""
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation == "eager":
+        return "each_op_bf16_sum"  # index_add_ into a bf16 output, expert by expert
+    if implementation in ("grouped_mm", "batched_mm"):
+        # y * weight in the promoted dtype, then a float32 sum over the token's pairs.
+        return "each_op" if weights.dtype == torch.bfloat16 else "each_op_f32_weighting"
+    return None
 
 
 def _adapt_experts(call: ProbeCall) -> Extracted:

@@ -18,6 +18,7 @@ import torch
 from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.core.scope import current_module
 from enginetap.dataset.schema import Definition
+from enginetap.definitions.moe import canonical_routing
 from enginetap.engines.vllm.probes.common import (DTYPES, gather, instantiate, is_writer,
                                                    other_rank, summed, tp_world)
 from enginetap.engines.vllm.probes.packing import moe_weight_unpacker, unpack
@@ -33,15 +34,6 @@ MOE_TARGETS = (ROUTER, f"{_MOE}.router.cpu_router:CPURouter._compute_routing",
                f"{_MOE}.experts.cpu_moe:CPUUnquantizedExperts.apply",
                f"{_MOE}.experts.cpu_moe:CPUUnquantizedExperts._pad_moe_intermediate",
                "vllm._custom_ops:cpu_prepack_moe_weight")
-
-
-def canonical_routing(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
-                                                                       torch.Tensor]:
-    """Rows in the definitions' order: descending weight, then ascending expert id."""
-    ids_sorted, order = torch.sort(ids.to(torch.int64), dim=-1)
-    weights = weights.gather(-1, order)
-    weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
-    return weights, ids_sorted.gather(-1, order).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- router
@@ -63,7 +55,7 @@ def _define_router(call: ProbeCall) -> Definition | None:
                            logits_dtype=dtype)
     if not router.use_grouped_topk and router.scoring_func == "softmax":
         return instantiate("moe_topk_softmax", num_experts=experts, top_k=top_k,
-                           renormalize=renormalize, logits_dtype=dtype)
+                           renormalize=renormalize, logits_dtype=dtype, rounding="each_op")
     return None
 
 
