@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from enginetap.cli.console import make_console
 from enginetap.errors import ConfigError
 
 __all__ = ["demo"]
 
-console = Console()
+console = make_console()
 MARKER = ".enginetap-demo"
 
 

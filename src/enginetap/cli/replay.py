@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
+from enginetap.cli.console import make_console
 from enginetap.errors import EnginetapError
 
 __all__ = ["app"]
@@ -34,8 +34,8 @@ class _CommandGroup(TyperGroup):
 
 app = typer.Typer(cls=_CommandGroup, invoke_without_command=True, no_args_is_help=True)
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 
 @app.callback()
