@@ -45,7 +45,7 @@ def capture(
         raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
                           "drop --tp or capture from vLLM")
     job = CaptureJob(engine, model, profile, out, list(definitions or []), policy, tp,
-                     max_output_tokens, seed, progress=console.is_terminal)
+                     max_output_tokens, seed, progress=console.is_terminal or "lines")
     result = run_capture(job)
     ok = print_capture(console, result.dataset)
     console.print(f"next: enginetap replay {escape(str(result.dataset))}")

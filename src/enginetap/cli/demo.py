@@ -57,9 +57,30 @@ def demo(
         _capture(name, root, profile, max_output_tokens, index)
         ok = _validate_and_replay(root) and ok
         _write_marker(out, sorted(_tree(out / "dataset")[0]))
-    console.print(f"[bold]demo {'ok' if ok else 'not ok'}[/]: next, try `enginetap replay "
-                  f"{escape(str(out / 'dataset' / names[0]))} --solution my_kernels.py:fn`")
+    console.print(f"[bold]demo {'ok' if ok else 'not ok'}[/]: next, "
+                  + escape(_hint(out / "dataset" / names[0])), soft_wrap=True)
     sys.exit(0 if ok else 1)
+
+
+def _hint(root: Path) -> str:
+    """The command that replays a user's own kernel on one family of ``root``, with the
+    signature that kernel needs (an rmsnorm if the dataset has one: the simplest)."""
+    from enginetap.dataset import Dataset
+    from enginetap.dataset.schema import Definition
+    from enginetap.definitions.base import family_of
+
+    first: dict[str, Definition] = {}
+    for _, definition in sorted(Dataset(root).definitions().items()):
+        first.setdefault(family_of(definition) or "", definition)
+    family = min(first, key=lambda f: (f != "rmsnorm", "rmsnorm" not in f, f), default="")
+    command = f"enginetap replay {root}"
+    if not family:
+        return f"replay your own kernel: {command} --solution my_kernels.py:fn"
+    definition = first[family]
+    signature = f"fn({', '.join(definition.inputs)}) returning {', '.join(definition.outputs)}"
+    return (f"replay your own {family} kernel, {signature} (see `enginetap definitions show "
+            f"{family}`, docs/replay.md):\n  {command} --family {family} "
+            "--solution my_kernels.py:fn")
 
 
 def _fresh_output(out: Path) -> None:
@@ -158,7 +179,8 @@ def _capture(name: str, root: Path, profile: str, max_output_tokens: int, index:
 
         build_model(name)
     job = CaptureJob("builtin", f"builtin:{name}", profile, root, policy="default",
-                     max_output_tokens=max_output_tokens, progress=console.is_terminal)
+                     max_output_tokens=max_output_tokens,
+                     progress=console.is_terminal or "lines")
     result = run_capture(job)
     console.print(f"captured {escape(name)} under {escape(profile)}: {result.receipts} requests "
                   f"sent, status {result.status}")

@@ -47,7 +47,8 @@ class CaptureJob:
     tp: int = 1
     max_output_tokens: int = 32
     seed: int | None = None
-    progress: bool = True
+    progress: bool | str = True
+    """A progress bar (True), plain progress lines (``"lines"``) or nothing (False)."""
     device: str = "cpu"
     """Where the built-in engine runs its model (``cpu`` or ``cuda``); vLLM chooses its own."""
 
