@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -73,7 +74,7 @@ def _hint(root: Path) -> str:
     for _, definition in sorted(Dataset(root).definitions().items()):
         first.setdefault(family_of(definition) or "", definition)
     family = min(first, key=lambda f: (f != "rmsnorm", "rmsnorm" not in f, f), default="")
-    command = f"enginetap replay {root}"
+    command = f"enginetap replay {shlex.quote(str(root))}"
     if not family:
         return f"replay your own kernel: {command} --solution my_kernels.py:fn"
     definition = first[family]
