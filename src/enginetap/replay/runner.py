@@ -89,7 +89,9 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     reported as an ERROR for that workload; the next workload gets a fresh process.
 
     Raises:
-        ConfigError: bad device, counts or solution (it cannot be imported).
+        ConfigError: bad device, counts or solution (it cannot be imported, or a user's
+            function claims none of the replayed definitions, or claims nothing while they
+            span several families: :func:`enginetap.replay.candidates.check_claims`).
         DatasetError: ``root`` is not a dataset.
     """
     import torch
