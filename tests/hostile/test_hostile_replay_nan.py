@@ -41,5 +41,5 @@ def test_expected_nan_missing_from_the_actual_output() -> None:
     console = Console(record=True, width=200, force_terminal=False)
     print_report(console, report)
     row = next(line for line in console.export_text().splitlines() if "01234567" in line)
-    assert row.split()[2:6] == ["FAIL", "2", "NaN/inf", "2"], row
+    assert row.split()[2:7] == ["FAIL", "failing", "2", "NaN/inf", "2"], row
     assert "first at [1, 2]: expected nan, got 6" in problem_lines(report)[0]

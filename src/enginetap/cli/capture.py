@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from enginetap.cli.console import CliConsole, make_console
+
 __all__ = ["capture", "print_capture"]
 
-console = Console()
+console = make_console()
 
 
 def capture(
@@ -53,7 +54,7 @@ def capture(
         raise ConfigError("--append and --force together", "--append adds to the dataset, "
                           "--force starts it afresh", "pass one of them")
     job = CaptureJob(engine, model, profile, out, list(definitions or []), policy, tp,
-                     max_output_tokens, seed, progress=console.is_terminal,
+                     max_output_tokens, seed, progress=console.is_terminal or "lines",
                      existing="append" if append else "replace" if force else "refuse")
     result = run_capture(job)
     ok = print_capture(console, result.dataset)
@@ -61,7 +62,7 @@ def capture(
     raise typer.Exit(0 if ok and result.status == "complete" else 1)
 
 
-def print_capture(out: Console, root: Path) -> bool:
+def print_capture(out: CliConsole, root: Path) -> bool:
     """Print one table per dataset: definitions, workloads, variants, bytes, plus what
     each rank dropped or failed. Returns False when something was lost or failed."""
     import json

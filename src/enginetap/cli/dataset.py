@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from enginetap.cli.console import make_console
 from enginetap.dataset import summarize_dataset, validate_dataset
 
 app = typer.Typer(help="Validate and inspect FlashInfer-Trace datasets.", no_args_is_help=True)
@@ -50,7 +50,7 @@ def show(path: str = _PATH) -> None:
     Exits 2 when PATH is not a dataset.
     """
     summaries = summarize_dataset(path)
-    console = Console()
+    console = make_console()
     if not summaries:
         console.print(f"no definitions in {path}", markup=False, highlight=False)
         return

@@ -7,16 +7,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from enginetap.cli.console import make_console
 from enginetap.errors import ConfigError, EnginetapError
 
 __all__ = ["app"]
 
 app = typer.Typer(help="Operator-definition families (templates).", no_args_is_help=True)
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Const axis or param of the family, as name=value (repeatable).")]

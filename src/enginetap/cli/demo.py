@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from enginetap.cli.console import make_console
 from enginetap.errors import ConfigError
 
 __all__ = ["demo"]
 
-console = Console()
+console = make_console()
 MARKER = ".enginetap-demo"
 
 
@@ -57,9 +58,30 @@ def demo(
         _capture(name, root, profile, max_output_tokens, index)
         ok = _validate_and_replay(root) and ok
         _write_marker(out, sorted(_tree(out / "dataset")[0]))
-    console.print(f"[bold]demo {'ok' if ok else 'not ok'}[/]: next, try `enginetap replay "
-                  f"{escape(str(out / 'dataset' / names[0]))} --solution my_kernels.py:fn`")
+    console.print(f"[bold]demo {'ok' if ok else 'not ok'}[/]: next, "
+                  + escape(_hint(out / "dataset" / names[0])), soft_wrap=True)
     sys.exit(0 if ok else 1)
+
+
+def _hint(root: Path) -> str:
+    """The command that replays a user's own kernel on one family of ``root``, with the
+    signature that kernel needs (an rmsnorm if the dataset has one: the simplest)."""
+    from enginetap.dataset import Dataset
+    from enginetap.dataset.schema import Definition
+    from enginetap.definitions.base import family_of
+
+    first: dict[str, Definition] = {}
+    for _, definition in sorted(Dataset(root).definitions().items()):
+        first.setdefault(family_of(definition) or "", definition)
+    family = min(first, key=lambda f: (f != "rmsnorm", "rmsnorm" not in f, f), default="")
+    command = f"enginetap replay {shlex.quote(str(root))}"
+    if not family:
+        return f"replay your own kernel: {command} --solution my_kernels.py:fn"
+    definition = first[family]
+    signature = f"fn({', '.join(definition.inputs)}) returning {', '.join(definition.outputs)}"
+    return (f"replay your own {family} kernel, {signature} (see `enginetap definitions show "
+            f"{family}`, docs/replay.md):\n  {command} --family {family} "
+            "--solution my_kernels.py:fn")
 
 
 def _fresh_output(out: Path) -> None:
@@ -158,7 +180,8 @@ def _capture(name: str, root: Path, profile: str, max_output_tokens: int, index:
 
         build_model(name)
     job = CaptureJob("builtin", f"builtin:{name}", profile, root, policy="default",
-                     max_output_tokens=max_output_tokens, progress=console.is_terminal)
+                     max_output_tokens=max_output_tokens,
+                     progress=console.is_terminal or "lines")
     result = run_capture(job)
     console.print(f"captured {escape(name)} under {escape(profile)}: {result.receipts} requests "
                   f"sent, status {result.status}")

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from enginetap.cli.console import make_console
 
 app = typer.Typer(help="Pin the engine code a patch relies on and check it for drift.",
                   no_args_is_help=True)
 
-out = Console(highlight=False, emoji=False, soft_wrap=True)
+out = make_console(highlight=False, emoji=False, soft_wrap=True)
 
 PathOption = Annotated[Path, typer.Option("--output", "-o", help="Lock file to write.")]
 SysPath = Annotated[list[Path], typer.Option(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.console import Console
 
 from enginetap.cli import (capture, dataset, definitions, demo, guard, models, replay, tap,
                            traffic, vllm)
+from enginetap.cli.console import make_console
 from enginetap.errors import EnginetapError
 
 app = typer.Typer(
@@ -28,7 +28,7 @@ app.add_typer(tap.app, name="tap")
 app.command("demo")(demo.demo)
 app.command("capture")(capture.capture)
 
-err = Console(stderr=True)
+err = make_console(stderr=True)
 
 
 def main() -> None:

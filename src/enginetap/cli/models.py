@@ -6,17 +6,17 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from enginetap.cli.console import make_console
 from enginetap.errors import ConfigError
 
 app = typer.Typer(help="Built-in tiny models (random weights, real architectures).",
                   no_args_is_help=True)
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 
 @app.command("list")

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
+from enginetap.cli.console import make_console
 from enginetap.errors import EnginetapError
 
 __all__ = ["app"]
@@ -34,8 +34,8 @@ class _CommandGroup(TyperGroup):
 
 app = typer.Typer(cls=_CommandGroup, invoke_without_command=True, no_args_is_help=True)
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 
 @app.callback()
@@ -44,6 +44,9 @@ def replay(
         metavar="DATASET", help="Dataset root directory.", show_default=False)] = None,
     definition: Annotated[list[str] | None, typer.Option(
         "--definition", "-d", help="Replay only this definition (repeatable).")] = None,
+    family: Annotated[list[str] | None, typer.Option(
+        "--family", "-f", help="Replay only this family's definitions (repeatable); the "
+        "others are listed SKIPPED. What a --solution function implements.")] = None,
     solution: Annotated[list[str] | None, typer.Option(
         help="Candidate to check and time (repeatable): a built-in name (see "
              "--list-solutions), module:function or path/file.py:function.")] = None,
@@ -69,7 +72,7 @@ def replay(
     outputs (and with --solution's); exit 1 if anything does not pass."""
     from enginetap.replay import replay_dataset
     from enginetap.replay.report import print_report, summary_line
-    from enginetap.replay.summary import render_summary
+    from enginetap.replay.summary import render_summary, summary_notes
 
     if list_solutions:
         out.print(_solutions_table())
@@ -77,6 +80,7 @@ def replay(
     if dataset is None:
         raise EnginetapError("no dataset given", "replay needs a dataset root",
                              "pass DATASET, or --list-solutions to see the built-in solutions")
+    definition, left_out = _select(dataset, definition, family)
     if write_solutions is not None:
         _write_solutions(write_solutions, dataset, solution or [], definition)
         sys.exit(0)
@@ -85,14 +89,78 @@ def replay(
                             warmup=warmup, repeats=repeats,
                             timeout=timeout if timeout != 0 else None,
                             progress=err.is_terminal)
+    report.definitions += left_out
     print_report(out, report)
     summary = render_summary(report)
     if summary is not None:
         out.print(summary)
+    for note in summary_notes(report):
+        out.print(note, markup=False, highlight=False, soft_wrap=True)
     out.print(summary_line(report), markup=False, highlight=False)
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)
+
+
+def _select(dataset: Path, names: list[str] | None, families: list[str] | None
+            ) -> tuple[list[str] | None, list[Any]]:
+    """The definitions to replay (None: all), and those ``--family`` leaves out as
+    SKIPPED results (listed only when no ``-d`` narrows the replay itself).
+
+    Raises:
+        ConfigError: a ``-d`` name or ``--family`` matches nothing in the dataset (the
+            message lists what it could have been, closest first).
+    """
+    from enginetap.dataset import Dataset
+    from enginetap.definitions.base import family_of
+    from enginetap.errors import ConfigError, DatasetError
+    from enginetap.replay.report import DefinitionResult
+
+    if not names and not families:
+        return names, []
+    try:
+        available = Dataset(dataset).definitions()
+    except DatasetError:
+        return names, []  # not readable as a dataset: the replay itself reports why
+    of = {name: family_of(d) or "(none)" for name, d in available.items()}
+    for name in names or []:
+        if name not in available:
+            raise ConfigError(f"-d {name}: no such definition in {dataset}",
+                              f"it could have been {_closest(name, list(available))}",
+                              "pass -d with one of those names, or --family FAMILY")
+    for wanted in families or []:
+        if wanted not in of.values():
+            raise ConfigError(f"--family {wanted}: no definition of that family in {dataset}",
+                              f"its families are {_closest(wanted, list(of.values()))}",
+                              "pass --family with one of those")
+    chosen = [n for n in sorted(available)
+              if (not names or n in names) and (not families or of[n] in families)]
+    if not chosen:
+        raise ConfigError("no definition is both named by -d and of a --family",
+                          f"-d {' '.join(names or [])} are of families "
+                          f"{', '.join(sorted({of[n] for n in names or []}))}",
+                          "drop -d or --family, or make them agree")
+    skipped = [] if names else [
+        DefinitionResult(name=n, status="SKIPPED", message=f"not replayed: its family {of[n]} "
+                         f"is not in --family {' '.join(families or [])}")
+        for n in sorted(available) if n not in chosen]
+    return chosen, skipped
+
+
+def _closest(wanted: str, names: list[str], shown: int = 12) -> str:
+    """``names`` (each once), the most similar to ``wanted`` first: those holding it or held
+    in it, then by similarity; the first ``shown`` and a count of the rest."""
+    import difflib
+
+    def distance(name: str) -> tuple[bool, float, str]:
+        related = wanted.lower() in name.lower() or name.lower() in wanted.lower()
+        return (not related, -difflib.SequenceMatcher(None, wanted, name).ratio(), name)
+
+    ordered = sorted(dict.fromkeys(names), key=distance)
+    if not ordered:
+        return "nothing: the dataset holds no definitions"
+    more = f" (+{len(ordered) - shown} more)" if len(ordered) > shown else ""
+    return ", ".join(ordered[:shown]) + more
 
 
 def _solutions_table() -> Any:

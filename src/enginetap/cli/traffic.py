@@ -6,14 +6,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from enginetap.cli.console import make_console
 
 app = typer.Typer(help="Traffic profiles: real traces, derived requests, rebuilt prompts.",
                   no_args_is_help=True)
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 SPEC_HELP = "A profile FILE, builtin:NAME, mooncake:FILE or agentx:FILE."
 

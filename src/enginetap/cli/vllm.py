@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from enginetap.cli.console import make_console
 from enginetap.config import capability_names
 from enginetap.errors import ConfigError
 
 app = typer.Typer(help="vLLM: serve armed, merge per-rank outputs.", no_args_is_help=True)
 
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 
 

@@ -57,7 +57,8 @@ class CaptureJob:
     seed: int | None = None
     existing: Literal["refuse", "append", "replace"] = "refuse"
     """What to do when ``out`` already holds a dataset (see the module docstring)."""
-    progress: bool = True
+    progress: bool | str = True
+    """A progress bar (True), plain progress lines (``"lines"``) or nothing (False)."""
     device: str = "cpu"
     """Where the built-in engine runs its model (``cpu`` or ``cuda``); vLLM chooses its own."""
 

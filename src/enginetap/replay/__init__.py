@@ -3,5 +3,6 @@
 from enginetap.replay.compare import Comparison, compare_outputs
 from enginetap.replay.report import ReplayReport
 from enginetap.replay.runner import replay_dataset
+from enginetap.replay.solution import implements
 
-__all__ = ["Comparison", "ReplayReport", "compare_outputs", "replay_dataset"]
+__all__ = ["Comparison", "ReplayReport", "compare_outputs", "implements", "replay_dataset"]

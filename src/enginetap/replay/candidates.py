@@ -4,6 +4,12 @@ A solution is a built-in name (:mod:`enginetap.replay.builtin`) or a user's
 ``module:function``. Each gets its own :class:`ChildFunction`, so that one that crashes, ends
 its process or breaks its CUDA context costs its own workload an ERROR row and nothing else:
 its process is started again for the next workload, and the other solutions never shared it.
+
+A user's function runs only on the definitions it says it implements
+(:func:`enginetap.replay.solution.declared_claim`): every other one is SKIPPED with that
+reason, as a built-in's uncovered families are. One that says nothing runs on every
+replayed definition, which is only allowed when they are all of one family:
+:func:`check_claims` refuses the replay otherwise, before any workload runs.
 """
 
 from __future__ import annotations
@@ -13,15 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from enginetap.definitions.base import family_of
 from enginetap.errors import ConfigError
 from enginetap.replay.builtin import BuiltinSolution, builtin_named
 from enginetap.replay.execution import ChildFunction
 from enginetap.replay.fib import FibSolution, read_solution
+from enginetap.replay.solution import MODULE_CLAIM
 
 if TYPE_CHECKING:
     from enginetap.dataset.schema import Definition
 
-__all__ = ["Candidate", "close_candidates", "open_candidates"]
+__all__ = ["Candidate", "check_claims", "close_candidates", "open_candidates"]
 
 
 @dataclass
@@ -34,11 +42,58 @@ class Candidate:
     fib: FibSolution | None = None
     """A flashinfer-bench Solution file's contents (``--solution x.json``)."""
 
+    @property
+    def claim(self) -> tuple[list[str], str] | None:
+        """A user's function: the families or definitions it implements, and where it says
+        so (None: it does not say, or this is a built-in or a Solution file)."""
+        found = self.run.loaded.get("claim")
+        return (list(found[0]), str(found[1])) if found else None
+
     def skip_reason(self, definition: Definition, device: str) -> str | None:
-        """Why it is not run on ``definition`` (a user's function never is skipped)."""
+        """Why it is not run on ``definition``: a built-in's family, device or library, a
+        Solution file's definition, a user's function's claim."""
         if self.builtin is not None:
             return self.builtin.skip_reason(definition, device)
-        return self.fib.skip_reason(definition) if self.fib is not None else None
+        if self.fib is not None:
+            return self.fib.skip_reason(definition)
+        claim = self.claim
+        if claim is None or _claimed(claim[0], definition):
+            return None
+        return (f"{self.name} implements {', '.join(claim[0])} ({claim[1]}), not "
+                f"{family_of(definition) or 'a definition without a family'}")
+
+
+def _claimed(names: list[str], definition: Definition) -> bool:
+    return definition.name in names or family_of(definition) in names
+
+
+def check_claims(candidates: Sequence[Candidate], definitions: Sequence[Definition]) -> None:
+    """Refuse user functions that would run on nothing, or on definitions of several
+    families without saying which they implement.
+
+    Raises:
+        ConfigError: a function claims none of ``definitions``, or claims nothing while
+            they span more than one family.
+    """
+    families = sorted({family_of(d) or "(none)" for d in definitions})
+    for c in candidates:
+        if c.builtin is not None or c.fib is not None or not definitions:
+            continue
+        claim = c.claim
+        if claim is not None and not any(_claimed(claim[0], d) for d in definitions):
+            raise ConfigError(f"{c.name} implements {', '.join(claim[0])} ({claim[1]}), "
+                              "which no replayed definition is",
+                              f"the families here are {', '.join(families)}",
+                              "name one of them (or a definition) in the claim, or replay "
+                              "a dataset that holds what the function implements")
+        if claim is None and len(families) > 1:
+            raise ConfigError(f"{c.name} does not say which definitions it implements",
+                              f"this replay covers {len(definitions)} definitions of "
+                              f"{len(families)} families ({', '.join(families)}); run on "
+                              "the others it could only fail",
+                              f"pass --family FAMILY (e.g. --family {families[0]}) or "
+                              f"-d DEFINITION, or put {MODULE_CLAIM} = \"FAMILY\" in its "
+                              "file (docs/replay.md)")
 
 
 def open_candidates(specs: Sequence[str]) -> list[Candidate]:

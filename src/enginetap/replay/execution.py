@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 from enginetap.core.isolated import Child, ChildDied, one_line
 from enginetap.dataset.schema import Definition
 from enginetap.errors import ConfigError
-from enginetap.replay.solution import CallPlan, load_solution, scrub_freed_memory
+from enginetap.replay.solution import (
+    CallPlan,
+    declared_claim,
+    load_solution,
+    scrub_freed_memory,
+)
 from enginetap.replay.timing import median_ms
 
 if TYPE_CHECKING:
@@ -106,6 +111,8 @@ class ChildFunction:
         self._key, self._own = key, process is None
         self._child = process if process is not None else child()
         self._loaded_in: int | None = None
+        self.loaded: dict[str, Any] = {}
+        """The child's answer to the last load (a user's function: ``claim``)."""
         self._dir = Path(tempfile.mkdtemp(prefix="enginetap-replay-"))
 
     def start(self) -> None:
@@ -127,7 +134,7 @@ class ChildFunction:
                                   f"importing it failed: {reply['error']}",
                                   "run the solution's module on its own to see why")
             raise FunctionFailed(reply["error"])
-        self._loaded_in = self._child.starts
+        self._loaded_in, self.loaded = self._child.starts, reply
 
     def call(self, definition: Definition, inputs: Mapping[str, Any], axes: Mapping[str, int],
              timing: Timing, scrub: Iterable[int] = ()) -> Called:
@@ -215,7 +222,9 @@ def _load(message: dict[str, Any]) -> dict[str, Any]:
             return {"config_error": [exc.what, exc.why, exc.fix]}
     elif message.get("solution") is not None:
         try:
-            _LOADED[message["key"]] = (load_solution(message["solution"]), "candidate")
+            function = load_solution(message["solution"])
+            _LOADED[message["key"]] = (function, "candidate")
+            return {"claim": declared_claim(function)}  # what it says it implements
         except EnginetapError as exc:
             return {"config_error": [exc.what, exc.why, exc.fix]}
     else:

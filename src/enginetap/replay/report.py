@@ -7,6 +7,13 @@ nothing was checked, and it never counts as a pass), ``FAIL`` (a comparison fail
 raised or ended its process), ``REFUSED`` (a definition whose reference enginetap did not
 generate, without ``--trust-dataset-code``). A replay is ``ok`` when nothing is worse than
 SKIPPED; the summary line counts the SKIPPED checks.
+
+Every compared row also says how close it came (:func:`agreement`): ``exact`` (every
+element equal to the reference's), ``within tolerance`` (a pass that is not exact) or
+``failing``, beside its max abs / max rel error and the tolerance it was held to
+(:func:`tolerance`). A candidate that is not exact where the engine's own stored output
+matched the reference exactly is marked ``(engine: exact)``: its difference is real, not
+rounding the engine also does, even when it is within tolerance.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ from rich.table import Table
 from enginetap.replay.compare import Comparison
 
 __all__ = ["NOT_EXPOSED", "DefinitionResult", "OutputCheck", "ReplayOptions", "ReplayReport",
-           "SolutionSummary", "WorkloadResult", "problem_lines", "render_tables",
-           "unexposed_lines", "worst"]
+           "SolutionSummary", "WorkloadResult", "agreement", "engine_exact", "problem_lines",
+           "render_tables", "tolerance", "unexposed_lines", "worst"]
 
 Status = Literal["PASS", "SKIPPED", "FAIL", "ERROR", "REFUSED"]
 _RANK: dict[str, int] = {"PASS": 0, "SKIPPED": 1, "FAIL": 2, "ERROR": 3, "REFUSED": 4}
@@ -124,6 +131,15 @@ class SolutionSummary(BaseModel):
     """NaN/inf mismatches (unexpected NaNs included) over all outputs and workloads."""
     reason: str | None = None
     """Why it was skipped, or the first failure's reason (one line)."""
+    max_rel_error: float | None = None
+    """Largest finite relative error of any output on any workload."""
+    agreement: Literal["exact", "within tolerance", "failing"] | None = None
+    """The loosest over its compared outputs (None: nothing compared)."""
+    tolerance: str | None = None
+    """The tolerance(s) its outputs were held to (see :func:`tolerance`)."""
+    engine_exact: int = 0
+    """Workloads where the engine's stored output matched the reference exactly and this
+    solution's did not: a real difference even when within tolerance."""
 
 
 class ReplayReport(BaseModel):
@@ -222,10 +238,13 @@ def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
     # Names, uuids and outputs are dataset data: escaped, so that no markup is read in them.
     title = f"{escape(result.name)}  {_status(result.status)}  (reference: {result.reference})"
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("workload", "output", *(["check"] if with_candidate else []), "status"):
+    for col in ("workload", "output", *(["check"] if with_candidate else []), "status",
+                "agreement"):
         table.add_column(col, no_wrap=True)
-    numeric = ["max abs", "max rel", "matched", "ref ms"]
-    for col in numeric + (["cand ms", "speedup"] if with_candidate else []):
+    for col in ("max abs", "max rel"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("tolerance", no_wrap=True)
+    for col in ["matched", "ref ms"] + (["cand ms", "speedup"] if with_candidate else []):
         table.add_column(col, justify="right", no_wrap=True)
     for w in result.workloads:
         reference, timed = _num(w.reference_ms, ".3f"), set()
@@ -234,8 +253,9 @@ def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
         for c in shown or [None]:
             cells = [escape(w.uuid[:8]), escape(c.output) if c else "-"]
             cells += [_check_name(c)] if with_candidate else []
-            cells += [_status(c.status if c else w.status), *_numbers(c and c.comparison),
-                      reference]
+            numbers = _numbers(c and c.comparison)
+            cells += [_status(c.status if c else w.status), _agreement_cell(c, w),
+                      *numbers[:2], tolerance(c and c.comparison), numbers[2], reference]
             reference = ""  # once per workload
             if with_candidate:
                 cells += _candidate_timing(w, c, timed)
@@ -258,8 +278,56 @@ def _candidate_timing(w: WorkloadResult, check: OutputCheck | None, timed: set[s
     return [_num(w.candidate_ms[name], ".3f"), _num(w.speedup.get(name), ".2f", "x")]
 
 
+def agreement(check: OutputCheck | None) -> Literal["exact", "within tolerance", "failing"] | None:
+    """How close a compared output came: ``exact`` (every element equal; a selection's
+    index sets equal without ties), ``within tolerance`` (passed, not exact), ``failing``;
+    None when nothing was compared (SKIPPED, ERROR, a reference-only check)."""
+    if check is None or check.status in ("SKIPPED", "ERROR", "REFUSED"):
+        return None
+    c = check.comparison
+    if c is None:
+        return "failing" if check.status == "FAIL" else None
+    if check.status != "PASS" or not c.passed:
+        return "failing"
+    return "within tolerance" if c.max_abs_error or c.ties else "exact"
+
+
+def engine_exact(workload: WorkloadResult, check: OutputCheck) -> bool:
+    """``check`` is a candidate's, not exact, on an output whose stored engine value
+    matched the reference exactly on this workload."""
+    if check.check != "candidate" or agreement(check) in (None, "exact"):
+        return False
+    return any(e.check == "engine" and e.output == check.output and agreement(e) == "exact"
+               for e in workload.checks)
+
+
+def tolerance(comparison: Comparison | None) -> str:
+    """The tolerance a comparison held its output to, in a few words: ``atol=0.01
+    rtol=0.01`` (float), ``exact``, ``same index sets`` (selection, ``; ties <= atol`` when
+    scores may break a tie); ``-`` when it never got that far (no comparison, a shape or
+    dtype mismatch)."""
+    if comparison is None:
+        return "-"
+    if comparison.kind == "exact":
+        return "exact"
+    if comparison.kind == "selection":
+        ties = f"; ties <= {comparison.atol:.3g}" if comparison.atol is not None else ""
+        return "same index sets" + ties
+    if comparison.atol is None or comparison.rtol is None:
+        return "-"
+    return f"atol={comparison.atol:.3g} rtol={comparison.rtol:.3g}"
+
+
+def _agreement_cell(check: OutputCheck | None, workload: WorkloadResult) -> str:
+    said = agreement(check)
+    if said is None or check is None:
+        return "-"
+    return said + (" (engine: exact)" if engine_exact(workload, check) else "")
+
+
 def problem_lines(report: ReplayReport) -> list[str]:
-    """One line per dataset problem and per thing that did not pass."""
+    """One line per dataset problem and per thing that did not pass; a compared output's
+    line ends with its max abs / max rel error and tolerance."""
     lines = [f"PROBLEM {p}" for p in report.problems]
     for d in report.definitions:
         if d.message:
@@ -271,8 +339,26 @@ def problem_lines(report: ReplayReport) -> list[str]:
                 reason = c.message or (c.comparison.reason if c.comparison else None)
                 if c.status not in ("PASS", "SKIPPED") and reason:
                     lines.append(f"{c.status} {d.name} workload {w.uuid} ({_axes(w)}) output "
-                                 f"{c.output} ({c.solution or c.check}): {reason}")
+                                 f"{c.output} ({c.solution or c.check}): {reason}"
+                                 + _error_note(w, c))
     return lines
+
+
+def _error_note(workload: WorkloadResult, check: OutputCheck) -> str:
+    """``; max abs 0.5, max rel 0.02 (tolerance atol=0.01 rtol=0.01)`` and whether the
+    engine matched exactly, for a check that compared numbers."""
+    c = check.comparison
+    if c is None or (tolerance(c) == "-" and c.max_abs_error is None):
+        return ""  # nothing was compared element by element (a shape or dtype mismatch)
+    if c.kind == "selection":
+        note = f"; tolerance {tolerance(c)}"
+    else:
+        errors = f"{c.nonfinite} NaN/inf mismatch(es), finite " if c.nonfinite else ""
+        note = (f"; {errors}max abs {_num(c.max_abs_error, '.3g')}, max rel "
+                f"{_num(c.max_rel_error, '.3g')} (tolerance {tolerance(c)})")
+    if engine_exact(workload, check):
+        note += "; the engine's own output matched the reference exactly"
+    return note
 
 
 def _axes(w: WorkloadResult) -> str:

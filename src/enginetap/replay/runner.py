@@ -52,7 +52,12 @@ from enginetap.replay.report import (
     worst,
 )
 from enginetap.core.isolated import Child, one_line
-from enginetap.replay.candidates import Candidate, close_candidates, open_candidates
+from enginetap.replay.candidates import (
+    Candidate,
+    check_claims,
+    close_candidates,
+    open_candidates,
+)
 from enginetap.replay.execution import (
     Called,
     ChildFunction,
@@ -85,7 +90,9 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     reported as an ERROR for that workload; the next workload gets a fresh process.
 
     Raises:
-        ConfigError: bad device, counts or solution (it cannot be imported).
+        ConfigError: bad device, counts or solution (it cannot be imported, or a user's
+            function claims none of the replayed definitions, or claims nothing while they
+            span several families: :func:`enginetap.replay.candidates.check_claims`).
         DatasetError: ``root`` is not a dataset.
     """
     import torch
@@ -105,6 +112,7 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
                               created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                               enginetap_version=__version__, torch_version=torch.__version__)
         plan = _plan(dataset, options.definitions, report)
+        check_claims(candidates, [definition for definition, _ in plan])
         with _Progress(progress, sum(len(lines) for _, lines in plan)) as bar:
             for definition, lines in plan:
                 report.definitions.append(_replay_definition(

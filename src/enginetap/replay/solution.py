@@ -13,6 +13,11 @@ reference has another value was never written. Otherwise the
 candidate returns its outputs: a tensor for one output, a tuple/list in output order or a
 dict by name for several.
 
+A user's function says what it implements, so that replay runs it only there and reports
+every other definition SKIPPED: a function attribute ``enginetap_implements`` (set by the
+:func:`implements` decorator, or assigned), else a module-level ``ENGINETAP_IMPLEMENTS`` in
+its module; either a family name (``rmsnorm``), a definition name, or a list of them.
+
 Before a candidate runs, :func:`scrub_freed_memory` fills and frees blocks the size of the
 reference's outputs, so that a candidate reading uninitialised memory (``torch.empty``) finds
 NaN bytes there rather than freshly freed results of the right shape.
@@ -26,7 +31,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from enginetap.core.isolated import one_line
 from enginetap.core.patching import ResolveError, resolve
@@ -37,8 +42,49 @@ from enginetap.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CallPlan", "load_solution", "nbytes", "outputs_as_dict", "poison_left",
-           "scrub_freed_memory"]
+__all__ = ["FUNCTION_CLAIM", "MODULE_CLAIM", "CallPlan", "declared_claim", "implements",
+           "load_solution", "nbytes", "outputs_as_dict", "poison_left", "scrub_freed_memory"]
+
+FUNCTION_CLAIM = "enginetap_implements"
+"""The function attribute naming the families or definitions a user's function implements."""
+MODULE_CLAIM = "ENGINETAP_IMPLEMENTS"
+"""The same for every function of a module that does not say it itself."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def implements(*names: str) -> Callable[[_F], _F]:
+    """Decorator: the function implements these families or definitions (and nothing else).
+
+    ``@implements("rmsnorm")`` over a kernel makes ``enginetap replay --solution
+    file.py:kernel`` run it on the rmsnorm definitions only and report the others SKIPPED.
+    """
+    def mark(function: _F) -> _F:
+        setattr(function, FUNCTION_CLAIM, list(names))
+        return function
+    return mark
+
+
+def declared_claim(function: Callable[..., Any]) -> tuple[list[str], str] | None:
+    """What ``function`` says it implements, and where it says it; None when it does not.
+
+    Raises:
+        ConfigError: the attribute is not a name or a list of names.
+    """
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    for owner, attribute, where in ((function, FUNCTION_CLAIM, f"its {FUNCTION_CLAIM}"),
+                                    (module, MODULE_CLAIM, f"{MODULE_CLAIM} in its module")):
+        value = getattr(owner, attribute, None) if owner is not None else None
+        if value is None:
+            continue
+        names = [value] if isinstance(value, str) else value
+        if (not isinstance(names, (list, tuple, set, frozenset)) or not names
+                or not all(isinstance(n, str) and n for n in names)):
+            raise ConfigError(f"bad {attribute} {value!r}",
+                              "it names families or definitions: a string or a list of strings",
+                              f'write e.g. {attribute} = "rmsnorm"')
+        return sorted(names), where
+    return None
 
 
 def load_solution(spec: str) -> Callable[..., Any]:

@@ -14,13 +14,18 @@ from enginetap.replay.report import (
     OutputCheck,
     SolutionSummary,
     Status,
+    agreement,
+    engine_exact,
+    tolerance,
     worst,
 )
 
 if TYPE_CHECKING:
     from enginetap.replay.report import ReplayReport
 
-__all__ = ["render_summary", "summarize"]
+__all__ = ["render_summary", "summarize", "summary_notes"]
+
+_LOOSEST = ("failing", "within tolerance", "exact")
 
 
 def summarize(report: ReplayReport) -> list[SolutionSummary]:
@@ -32,21 +37,30 @@ def summarize(report: ReplayReport) -> list[SolutionSummary]:
 def _row(result: DefinitionResult, solution: str) -> SolutionSummary:
     per_workload: list[Status] = []
     checks: list[OutputCheck] = []
+    exact_engine = 0
     for w in result.workloads:
         mine = [c for c in w.checks if c.check == "candidate" and c.solution == solution]
         checks += mine
         per_workload.append(worst([c.status for c in mine]) if mine else w.status)
+        exact_engine += any(engine_exact(w, c) for c in mine)
     counts = {s: per_workload.count(s) for s in dict.fromkeys(per_workload)}
     ref = _median([w.reference_ms for w in result.workloads])
     cand = _median([w.candidate_ms.get(solution) for w in result.workloads])
     errors = [c.comparison.max_abs_error for c in checks
               if c.comparison is not None and c.comparison.max_abs_error is not None]
+    relative = [c.comparison.max_rel_error for c in checks
+                if c.comparison is not None and c.comparison.max_rel_error is not None]
+    agreements = {agreement(c) for c in checks} - {None}
+    tolerances = dict.fromkeys(tolerance(c.comparison) for c in checks if c.comparison)
+    tolerances.pop("-", None)
     return SolutionSummary(
         definition=result.name, solution=solution, status=worst(per_workload), counts=counts,
         reference_ms=ref, candidate_ms=cand, speedup=ref / cand if ref and cand else None,
         max_abs_error=max(errors, default=None),
         nonfinite=sum(c.comparison.nonfinite for c in checks if c.comparison is not None),
-        reason=_reason(checks))
+        reason=_reason(checks), max_rel_error=max(relative, default=None),
+        agreement=next((a for a in _LOOSEST if a in agreements), None),
+        tolerance=" | ".join(tolerances) or None, engine_exact=exact_engine)
 
 
 def _reason(checks: list[OutputCheck]) -> str | None:
@@ -79,18 +93,43 @@ def render_summary(report: ReplayReport) -> Table | None:
                if left_out else None)
     table = Table(title="definition x solution", box=box.SIMPLE_HEAD, title_justify="left",
                   caption=caption, caption_justify="left")
-    for col in ("definition", "solution", "status", "workloads"):
+    for col in ("definition", "solution", "status", "agreement", "workloads"):
         table.add_column(col, no_wrap=True)
-    for col in ("max abs", "NaN/inf", "ref ms", "cand ms", "speedup"):
+    for col in ("max abs", "max rel"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("tolerance", no_wrap=True)
+    for col in ("NaN/inf", "ref ms", "cand ms", "speedup"):
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("why")
     for row in rows:
         counts = ", ".join(f"{n} {s}" for s, n in row.counts.items())
+        said = (row.agreement or "-") + (" (engine: exact)" if _engine_note(row) else "")
         table.add_row(escape(row.definition), escape(row.solution), _styled(row.status),
-                      counts, _num(row.max_abs_error, ".3g"), str(row.nonfinite),
-                      _num(row.reference_ms, ".3f"), _num(row.candidate_ms, ".3f"),
-                      _num(row.speedup, ".2f", "x"), escape(row.reason or ""))
+                      said, counts, _num(row.max_abs_error, ".3g"),
+                      _num(row.max_rel_error, ".3g"), escape(row.tolerance or "-"),
+                      str(row.nonfinite), _num(row.reference_ms, ".3f"),
+                      _num(row.candidate_ms, ".3f"), _num(row.speedup, ".2f", "x"),
+                      escape(row.reason or ""))
     return table
+
+
+def summary_notes(report: ReplayReport) -> list[str]:
+    """One ``NOTE`` line per definition x solution that is not exact where the engine's own
+    output was: the hint that a pass within tolerance may still be a bug."""
+    return [f"NOTE {row.solution} on {row.definition}: {row.agreement} (max abs "
+            f"{_num(row.max_abs_error, '.3g')}, max rel {_num(row.max_rel_error, '.3g')}; "
+            f"tolerance {row.tolerance or '-'}), but the engine's own output matched the "
+            f"reference exactly on {row.engine_exact} of {_compared(row)} workload(s) where "
+            "this solution's did not: the difference is the solution's, not rounding the "
+            "engine shares" for row in report.summary if _engine_note(row)]
+
+
+def _engine_note(row: SolutionSummary) -> bool:
+    return row.engine_exact > 0 and row.agreement in ("within tolerance", "failing")
+
+
+def _compared(row: SolutionSummary) -> int:
+    return sum(n for status, n in row.counts.items() if status in ("PASS", "FAIL"))
 
 
 def _styled(status: Status) -> str:

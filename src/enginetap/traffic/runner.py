@@ -150,10 +150,17 @@ class _Run:
                       [m.arrival_s for _, m in wave])
 
 
+LINE_EVERY_S = 5.0
+"""Seconds between two progress lines (``progress="lines"``)."""
+
+
 @contextmanager
-def _progress(total: int, enabled: bool, title: str) -> Iterator[Callable[[int], None]]:
+def _progress(total: int, enabled: bool | str, title: str) -> Iterator[Callable[[int], None]]:
     if not enabled:
         yield lambda n: None
+        return
+    if enabled == "lines":
+        yield _lines(total, title)
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -164,10 +171,33 @@ def _progress(total: int, enabled: bool, title: str) -> Iterator[Callable[[int],
         yield lambda n: bar.advance(task, n)
 
 
-def run_profile(profile: TrafficProfile, driver: Driver, *, progress: bool = True,
+def _lines(total: int, title: str) -> Callable[[int], None]:
+    """Progress as plain lines on stderr (a log, a pipe): the first request, then one line
+    at most every :data:`LINE_EVERY_S` seconds, and the last."""
+    import sys
+
+    start, done, last = time.monotonic(), 0, float("-inf")
+
+    def advance(n: int) -> None:
+        nonlocal done, last
+        done += n
+        now = time.monotonic()
+        if done >= total or now - last >= LINE_EVERY_S:
+            last = now
+            print(f"{title}: {done}/{total} prompts done ({now - start:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    print(f"{title}: {total} prompts to send", file=sys.stderr, flush=True)
+    return advance
+
+
+def run_profile(profile: TrafficProfile, driver: Driver, *, progress: bool | str = True,
                 builder: PromptBuilder | None = None,
                 on_send: OnSend | None = None) -> RunReport:
     """Send every request of ``profile`` through ``driver``; one receipt per prompt sent.
+
+    ``progress``: True, a progress bar on stderr; ``"lines"``, plain lines there (for a
+    log or a pipe); False, nothing.
 
     ``builder`` defaults to ``driver.prompts(profile.seed)``. ``on_send(unit, batch)`` is
     called just before each batch goes to the driver (capture notes which keys belong to
