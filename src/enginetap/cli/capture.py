@@ -14,6 +14,8 @@ __all__ = ["capture", "print_capture"]
 
 console = Console()
 
+DEFAULT_DTYPE = {"builtin": "bfloat16", "vllm": "auto"}
+
 
 def capture(
     out: Annotated[Path, typer.Option("--out", help="Dataset directory to write.")],
@@ -28,11 +30,18 @@ def capture(
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vLLM).")] = 1,
     max_output_tokens: Annotated[int, typer.Option(min=1)] = 32,
     seed: Annotated[Optional[int], typer.Option(help="Prompt seed (default: the profile's).")] = None,
+    device: Annotated[Optional[str], typer.Option(
+        help="Built-in engine: cpu (default), cuda or cuda:N. vLLM runs where its build does.")
+    ] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="Built-in engine: bfloat16 (default), float32 or float16; "
+             "vLLM: auto (default), float32, bfloat16 or float16.")] = None,
 ) -> None:
     """Drive an engine with traffic while capture is armed; print what was captured."""
     from enginetap.capture.options import POLICIES
     from enginetap.errors import ConfigError
     from enginetap.jobs.capture import CaptureJob, run_capture
+    from enginetap.jobs.device import check_device, check_dtype
 
     if engine not in ("builtin", "vllm"):
         raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
@@ -44,7 +53,9 @@ def capture(
         raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
                           "drop --tp or capture from vLLM")
     job = CaptureJob(engine, model, profile, out, list(definitions or []), policy, tp,
-                     max_output_tokens, seed, progress=console.is_terminal)
+                     max_output_tokens, seed, progress=console.is_terminal,
+                     device=check_device(device, engine),
+                     dtype=check_dtype(dtype, engine, DEFAULT_DTYPE[engine]))
     result = run_capture(job)
     ok = print_capture(console, result.dataset)
     console.print(f"next: enginetap replay {escape(str(result.dataset))}")

@@ -24,13 +24,18 @@ def run(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
     max_rows: Annotated[int, typer.Option(min=1)] = 64,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vllm).")] = 1,
-    dtype: Annotated[str, typer.Option(
-        help="float32 or bfloat16 (builtin; vLLM takes the model's).")] = "float32",
+    dtype: Annotated[str | None, typer.Option(
+        help="Built-in engine: float32 (default), bfloat16 or float16; "
+             "vLLM: auto (default: the model's), float32, bfloat16 or float16.")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="Built-in engine: cpu (default), cuda or cuda:N. vLLM runs where its build does.")
+    ] = None,
     depth: Annotated[str, typer.Option(
         help="sublayers (every sublayer's output) or layers (decoder layers' input and "
              "output only: about a third of the checkpoints).")] = "sublayers",
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
+    from enginetap.jobs.device import check_device, check_dtype
     from enginetap.tap.run import load_prompts, record_run, record_vllm_run
 
     if engine not in ("builtin", "vllm"):
@@ -39,9 +44,8 @@ def run(
     if tp > 1 and engine != "vllm":
         raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
                           "pass --engine vllm, or drop --tp")
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"unknown dtype {dtype!r}", "the built-in engine runs float32 or "
-                          "bfloat16", "pass --dtype float32 or --dtype bfloat16")
+    device = check_device(device, engine)
+    dtype = check_dtype(dtype, engine, "float32" if engine == "builtin" else "auto")
     if depth not in ("sublayers", "layers"):
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
@@ -49,10 +53,10 @@ def run(
     tap = {"max_rows": max_rows, "depth": depth}
     if engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
-                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp)
+                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
-                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)
+                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device)
     typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
 
 

@@ -66,9 +66,9 @@ def _prompt_of(path: Path, number: int, line: str) -> str:
 
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
-               dtype: str = "float32") -> list[list[int]]:
-    """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine,
-    writing the tap files to ``out``; returns the output tokens in prompt order.
+               dtype: str = "float32", device: str = "cpu") -> list[list[int]]:
+    """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine on
+    ``device``, writing the tap files to ``out``; returns the output tokens in prompt order.
 
     Raises:
         ConfigError: the model or the tap options are invalid.
@@ -82,7 +82,8 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
 
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                        options={"tap": tap or {}, "step": {"record": False}})
-    kwargs = {"dtype": getattr(torch, dtype), "prefix_cache_size": 0, "arm": config}
+    kwargs = {"dtype": getattr(torch, dtype), "device": device, "prefix_cache_size": 0,
+              "arm": config}
     try:
         engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
                   if model.startswith("builtin:") else HFEngine(model, **kwargs))
@@ -99,26 +100,29 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
 
 def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                     max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
-                    tp: int = 1) -> list[list[int]]:
+                    tp: int = 1, dtype: str = "auto") -> list[list[int]]:
     """The same on vLLM CPU (``vllm.LLM`` in this process, greedy, eager, no prefix
     caching, at most ``batch_size`` requests at once): every vLLM process is armed through
     ``ENGINETAP_CONFIG`` (``<out>/arming.json``), one tap file per rank. With ``tp > 1``
     ``VLLM_CPU_OMP_THREADS_BIND`` defaults to ``nobind`` (vLLM's binding needs a NUMA node
-    per rank).
+    per rank). ``dtype`` is vLLM's (``auto``: the model's).
 
     Raises:
-        ConfigError: the model or the tap options are invalid, or vLLM is not installed.
+        ConfigError: the model or the tap options are invalid, or vLLM is not installed
+            (checked before anything is written to ``out``).
     """
     model_dir = _model_dir(model)
-    _arm_vllm_processes(out, tap or {}, tp)
-    try:
+    try:  # importing vLLM loads no plugin: the arming below still precedes the engine
         from vllm import LLM, SamplingParams
-    except ImportError:
-        raise ConfigError("vLLM is not installed", "--engine vllm runs vllm.LLM",
-                          "pip install enginetap[vllm]") from None
+    except (ImportError, OSError) as exc:
+        raise ConfigError("vLLM is not installed" if isinstance(exc, ModuleNotFoundError)
+                          else "vLLM does not import", f"--engine vllm runs vllm.LLM ({exc})",
+                          "pip install enginetap[vllm] (or tap with --engine builtin)"
+                          ) from None
+    _arm_vllm_processes(out, tap or {}, tp)
     llm = LLM(model=str(model_dir), tensor_parallel_size=tp, gpu_memory_utilization=0.3,
               enforce_eager=True, enable_prefix_caching=False, max_num_seqs=batch_size,
-              seed=0)
+              seed=0, dtype=dtype)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     try:
         done: dict[str, list[int]] = {}
