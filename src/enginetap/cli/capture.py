@@ -21,7 +21,8 @@ def capture(
     out: Annotated[Path, typer.Option("--out", help="Dataset directory to write.")],
     model: Annotated[str, typer.Option(help="Model directory or builtin:NAME.")] = "builtin:qwen3_next",
     profile: Annotated[str, typer.Option(
-        help="Traffic: a profile file, builtin:NAME, mooncake:FILE or agentx:FILE.")
+        help="Traffic: builtin:NAME (mooncake-tiny, chat-short, agentic-long), mooncake:FILE, "
+             "agentx:FILE or a saved profile FILE; `enginetap traffic list` says what each is.")
     ] = "builtin:mooncake-tiny",
     engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
     definitions: Annotated[Optional[list[str]], typer.Option(

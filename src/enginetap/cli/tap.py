@@ -9,6 +9,10 @@ from typing import Annotated
 import typer
 
 from enginetap.errors import ConfigError
+from enginetap.tap.run import PROMPT_FILES, PROMPTS_ABOUT
+
+PROMPTS_HELP = ("builtin:NAME — " + "; ".join(f"{n}: {a}" for n, a in PROMPTS_ABOUT.items())
+                + f" — or a FILE: {PROMPT_FILES} (`enginetap traffic list` lists them all).")
 
 app = typer.Typer(help="Per-step sublayer fingerprints: record, report, diff.",
                   no_args_is_help=True)
@@ -17,7 +21,7 @@ app = typer.Typer(help="Per-step sublayer fingerprints: record, report, diff.",
 @app.command("run")
 def run(
     model: Annotated[str, typer.Option(help="builtin:NAME or a model folder.")],
-    prompts: Annotated[str, typer.Option(help="A prompt FILE or builtin:NAME (pairs, short).")],
+    prompts: Annotated[str, typer.Option(help=PROMPTS_HELP)],
     out: Annotated[Path, typer.Option(help="Directory for the tap files.")],
     engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
     batch_size: Annotated[int, typer.Option(min=1)] = 8,

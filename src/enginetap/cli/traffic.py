@@ -9,13 +9,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="Traffic profiles: real traces, derived requests, rebuilt prompts.",
+app = typer.Typer(help="Traffic profiles: real traces, derived requests, rebuilt prompts "
+                  "(`enginetap traffic list`: what is built in).",
                   no_args_is_help=True)
 
 out = Console()
 err = Console(stderr=True)
 
-SPEC_HELP = "A profile FILE, builtin:NAME, mooncake:FILE or agentx:FILE."
+SPEC_HELP = ("builtin:NAME, mooncake:FILE, agentx:FILE or a saved profile FILE "
+             "(`enginetap traffic list` lists the built-ins).")
 
 
 def _row(table: Table, name: str, req) -> None:
@@ -77,3 +79,29 @@ def derive(
               f"{len(profile.overlap_groups)} overlap groups, {len(profile.replays)} replays, "
               f"scale {profile.scale:.6g}", highlight=False)
     out.print(str(path), highlight=False, soft_wrap=True)
+
+
+@app.command("list")
+def list_builtins() -> None:
+    """Built-in traffic profiles, trace formats, the shipped Mooncake sample, and the
+    prompt sets and prompt-file format of `enginetap tap run --prompts`."""
+    from enginetap.tap.run import BUILTIN_PROMPTS, PROMPT_FILES, PROMPTS_ABOUT
+    from enginetap.traffic.sources import BUILTIN_PROFILES, PROFILE_ABOUT, packaged_trace_path
+
+    lines = ["built-in traffic profiles (capture --profile builtin:NAME; "
+             "`enginetap traffic show builtin:NAME` prints one):"]
+    width = max(map(len, [*BUILTIN_PROFILES, *BUILTIN_PROMPTS]))
+    lines += [f"  {name:<{width}}  {PROFILE_ABOUT[name]}" for name in BUILTIN_PROFILES]
+    lines += ["traces (capture --profile, traffic show/derive):",
+              "  mooncake:FILE  a Mooncake JSONL trace: timestamp (ms), input_length, "
+              "output_length, hash_ids (512-token blocks) per line",
+              "  agentx:FILE    an AgentX shapes JSON file (dataset, revision, profiles, "
+              "overlap_profiles)",
+              "  FILE           a profile saved by `enginetap traffic derive`",
+              f"shipped Mooncake sample (60 lines of the Mooncake FAST'25 conversation trace, "
+              f"Apache-2.0): {packaged_trace_path()}",
+              "built-in prompt sets (tap run --prompts builtin:NAME):"]
+    lines += [f"  {name:<{width}}  {PROMPTS_ABOUT[name]}" for name in BUILTIN_PROMPTS]
+    lines += [f"prompt files (tap run --prompts FILE): {PROMPT_FILES}"]
+    for line in lines:
+        typer.echo(line)

@@ -14,7 +14,8 @@ from typing import Any
 
 from enginetap.errors import ConfigError
 
-__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run", "record_vllm_run"]
+__all__ = ["BUILTIN_PROMPTS", "PROMPTS_ABOUT", "PROMPT_FILES", "load_prompts", "record_run",
+           "record_vllm_run"]
 
 BUILTIN_PROMPTS: dict[str, list[str]] = {
     "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
@@ -23,6 +24,16 @@ BUILTIN_PROMPTS: dict[str, list[str]] = {
     "short": ["hello", "kernels and caches", "decode one token at a time", "batching"],
 }
 """Built-in prompt sets; ``pairs`` repeats prompts so that same-prefix pairs exist."""
+
+PROMPTS_ABOUT: dict[str, str] = {
+    "pairs": "8 prompts, 3 of them repeated: same-prefix pairs for `tap report`",
+    "short": "4 distinct short prompts: no pairs, a quick run for `tap diff`",
+}
+"""What each built-in prompt set is for (``enginetap traffic list``)."""
+
+PROMPT_FILES = ('a text file, one prompt per line (blank lines skipped), or a .jsonl file '
+                'of {"prompt": "..."} objects, one per line')
+"""The prompt-file format ``--prompts FILE`` reads."""
 
 
 def load_prompts(spec: str) -> list[str]:
