@@ -37,10 +37,22 @@ def run(
     depth: Annotated[str, typer.Option(
         help="sublayers (every sublayer's output) or layers (decoder layers' input and "
              "output only: about a third of the checkpoints).")] = "sublayers",
+    vectors: Annotated[str, typer.Option(
+        help="off, or split: also write the raw rows (safetensors) at each same-prefix "
+             "pair's first split.")] = "off",
+    vector_steps: Annotated[str | None, typer.Option(
+        help="FIRST:LAST (or STEP): write the raw rows of those steps.")] = None,
+    vector_checkpoints: Annotated[str | None, typer.Option(
+        help="With --vector-steps: only these checkpoints (names or prefixes, comma-"
+             "separated, e.g. L0.mlp,L1).")] = None,
+    vector_requests: Annotated[str | None, typer.Option(
+        help="With --vector-steps: only rows of these requests (comma-separated, e.g. "
+             "p0,p6).")] = None,
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
     from enginetap.jobs.device import check_device, check_dtype
-    from enginetap.tap.run import load_prompts, record_run, record_vllm_run
+    from enginetap.tap.run import (load_prompts, record_run, record_vllm_run, save_run_command,
+                                   vector_options)
 
     if engine not in ("builtin", "vllm"):
         raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
@@ -54,13 +66,18 @@ def run(
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
     texts = load_prompts(prompts)
-    tap = {"max_rows": max_rows, "depth": depth}
+    command = {"engine": engine, "model": model, "prompts": prompts, "batch_size": batch_size,
+               "max_new_tokens": max_new_tokens, "max_rows": max_rows, "tp": tp,
+               "dtype": dtype, "device": device, "depth": depth}
+    tap = {"max_rows": max_rows, "depth": depth,
+           **vector_options(out, vectors, vector_steps, vector_checkpoints, vector_requests)}
     if engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device)
+    save_run_command(out, command)
     typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
 
 
@@ -86,7 +103,7 @@ def report(
     else:
         typer.echo("\n".join(summary(analysis)))
     if html is not None:
-        html.write_text(html_page(analysis), encoding="utf-8")
+        html.write_text(html_page(analysis, run_dir), encoding="utf-8")
         typer.echo(f"wrote {html}")
 
 

@@ -1,16 +1,20 @@
 """``enginetap tap report``: what one run's pairs, continuity and sampler say.
 
 :func:`analyse` runs every check over every rank; :func:`summary` renders it for a
-terminal and :func:`html_page` as one self-contained page (no external resources): a
-layer x step picture of where pairs split, then tables of pairs, continuity, metadata and
-sampler findings.
+terminal and :func:`html_page` as one self-contained page (no external resources): the
+pairs that split, earliest and largest first, each with its size where raw rows exist and
+the commands to run next; a layer x step picture of where pairs split, with its legend;
+then tables of continuity, metadata and sampler findings.
 """
 
 from __future__ import annotations
 
 import html
+import json
+import shlex
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from enginetap.tap.continuity import (Violation, check_continuity, check_metadata,
@@ -19,8 +23,10 @@ from enginetap.tap.crossrank import RankMismatch, compare_ranks
 from enginetap.tap.diff import RunDiff
 from enginetap.tap.files import TapRun
 from enginetap.tap.pairs import PairFinding, SamplerFinding, find_pairs, layer_of, sampler_findings
+from enginetap.tap.run import RUN_FILE
+from enginetap.tap.splitsize import SplitSize, split_size
 
-__all__ = ["Analysis", "analyse", "diff_page", "html_page", "summary"]
+__all__ = ["Analysis", "analyse", "diff_page", "html_page", "next_commands", "summary"]
 
 
 @dataclass
@@ -106,23 +112,41 @@ def summary(analysis: Analysis) -> list[str]:
     return lines
 
 
-_STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;
-margin:.5em 0 1.5em}td,th{border:1px solid #bbb;padding:2px 6px;font-size:13px}
-th{background:#eee}td.c0{background:#f4fff4}td.hot{background:#e55;color:#fff}
-.none{color:#777}"""
+_STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222;max-width:80em}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #bbb;
+padding:2px 6px;font-size:13px}th{background:#eee}td.c0{background:#f4fff4}
+td.hot{background:#e55;color:#fff}.none{color:#777}.legend{font-size:13px;color:#444}
+.legend span.key{display:inline-block;width:1.2em;border:1px solid #bbb;margin:0 .3em}
+pre.next{background:#f6f6f6;border:1px solid #ddd;padding:.4em;white-space:pre-wrap;
+font-size:12px}div.finding{border-left:3px solid #e55;padding-left:.8em;margin:1em 0}"""
 
 _SCRIPT = """document.querySelectorAll('td.hot').forEach(function(c){
 c.addEventListener('click',function(){alert(c.title);});});
-document.getElementById('status').textContent='rendered';"""
+document.body.setAttribute('data-rendered','yes');"""
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else html.escape(str(value))
 
 
 def _table(title: str, head: list[str], rows: list[list[Any]]) -> str:
     if not rows:
         return f"<h3>{html.escape(title)}</h3><p class='none'>none</p>"
-    cells = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+    cells = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>"
                     for row in rows)
     header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f"<h3>{html.escape(title)}</h3><table><tr>{header}</tr>{cells}</table>"
+
+
+def _legend(what: str) -> str:
+    return ("<p class='legend' id='legend'>How to read it: one row per decoder layer "
+            "(<b>L0</b> is the first; <b>model</b> holds the checkpoints outside the layers, "
+            "such as the final norm), one column per engine step (step 0 is the first "
+            "prefill; each later column a prefill or decode step of the run). "
+            f"<span class='key' style='background:#e55'>&nbsp;</span>a number: the {what} "
+            "at that step, counted in the layer of the first differing checkpoint (hover or "
+            "click for the count); <span class='key' style='background:#f4fff4'>&nbsp;</span>"
+            "none. The leftmost red cell of a row is where to look first.</p>")
 
 
 def _grid(title: str, layers: list[str], steps: list[int], cells: Counter,
@@ -137,13 +161,91 @@ def _grid(title: str, layers: list[str], steps: list[int], cells: Counter,
             tip = html.escape(f"{layer} step {step}: {n} {what}", quote=True)
             row.append(f"<td class='{'hot' if n else 'c0'}' title='{tip}'>{n or ''}</td>")
         body.append(f"<tr><th>{html.escape(layer)}</th>{''.join(row)}</tr>")
-    return (f"<h3>{html.escape(title)}</h3><table><tr><th>layer \\ step</th>{head}</tr>"
-            f"{''.join(body)}</table>")
+    return (f"<h3>{html.escape(title)}</h3>{_legend(what)}<table><tr><th>layer \\ step</th>"
+            f"{head}</tr>{''.join(body)}</table>")
 
 
-def _rank_html(r: RankAnalysis) -> str:
-    pairs = [[p.keys[0], p.keys[1], p.rows_compared, p.first_step, p.position, p.checkpoint,
-              p.agreeing_input, len(p.splits)] for p in r.pairs]
+def _ordered(r: RankAnalysis, root: Path | None) -> list[tuple[PairFinding, SplitSize | None]]:
+    """Split pairs, earliest split first; at one step the largest (measured where raw
+    rows exist, else the pair split at the most steps, then the most rows compared)."""
+    found = []
+    for p in r.pairs:
+        if p.split:
+            size = (split_size(root, r.rank, p.first_step, p.checkpoint, p.keys, p.position)
+                    if root is not None and p.checkpoint is not None
+                    and p.first_step is not None and p.position is not None else None)
+            found.append((p, size))
+    return sorted(found, key=lambda f: (f[0].first_step, -(f[1].max_abs if f[1] else 0.0),
+                                        -len(f[0].splits), -f[0].rows_compared, f[0].keys))
+
+
+def _base_command(command: dict[str, Any] | None, **change: Any) -> str:
+    if command is None:
+        return "enginetap tap run --model MODEL --prompts PROMPTS"
+    c = {**command, **change}
+    flags = [("engine", None), ("model", None), ("prompts", None), ("batch_size", None),
+             ("max_new_tokens", None), ("max_rows", 64), ("tp", 1), ("depth", "sublayers"),
+             ("device", "cpu"), ("dtype", "auto")]
+    parts = ["enginetap tap run"] + [f"--{k.replace('_', '-')} {shlex.quote(str(c[k]))}"
+                                     for k, plain in flags
+                                     if c.get(k) is not None and c.get(k) != plain]
+    return " ".join(parts)
+
+
+def next_commands(p: PairFinding, run: str, command: dict[str, Any] | None) -> list[str]:
+    """What to run next for a split pair: the run again writing the two rows' raw values
+    at the split (culprit and its agreeing input), and a diff against batch size 1."""
+    points = [x for x in (p.checkpoint, p.agreeing_input) if x and x != "token ids"]
+    dump = f"{run}-split{p.first_step}"
+    lines = [f"{_base_command(command)} --out {shlex.quote(dump)} --vector-steps "
+             f"{p.first_step} --vector-checkpoints {','.join(points)} --vector-requests "
+             f"{','.join(p.keys)}",
+             f"enginetap tap report {shlex.quote(dump)} --html {shlex.quote(dump)}.html"]
+    if command is None or command.get("batch_size", 2) > 1:
+        alone = f"{run}-b1"
+        lines += [f"{_base_command(command, batch_size=1)} --out {shlex.quote(alone)}",
+                  f"enginetap tap diff {shlex.quote(run)} {shlex.quote(alone)}"]
+    return lines
+
+
+def _finding(n: int, p: PairFinding, size: SplitSize | None, run: str,
+             command: dict[str, Any] | None) -> str:
+    what = (f"<b>{n}. {html.escape(p.keys[0])} / {html.escape(p.keys[1])}</b>: first split at "
+            f"step {p.first_step}, position {p.position}, in <b>{_cell(p.checkpoint)}</b> "
+            f"(its input {_cell(p.agreeing_input)} agrees); split at {len(p.splits)} step(s) "
+            f"of {p.rows_compared} row(s) compared.")
+    size_text = (f"Size: {html.escape(size.describe())}." if size else
+                 "Size: no raw rows were written at this split (the first command below "
+                 "writes them).")
+    todo = "\n".join(next_commands(p, run, command))
+    return (f"<div class='finding'><p>{what}</p><p>{size_text}</p><p>Next:</p>"
+            f"<pre class='next'>{html.escape(todo)}</pre></div>")
+
+
+def _pairs_html(r: RankAnalysis, root: Path | None, command: dict[str, Any] | None) -> str:
+    run = str(root) if root is not None else "RUN"
+    ordered = _ordered(r, root)
+    parts = ["<h3>Findings: pairs that split (earliest split first, then largest)</h3>"]
+    if not ordered:
+        parts.append("<p class='none'>none: every same-prefix pair stayed bitwise equal</p>")
+    parts += [_finding(n, p, size, run, command) for n, (p, size) in enumerate(ordered, 1)]
+    if command is None and ordered:
+        parts.append("<p class='legend'>This run was not recorded by <code>enginetap tap "
+                     "run</code>: put its model and prompts in the commands.</p>")
+    equal = [p for p in r.pairs if not p.split]
+    if equal:
+        one_row = sum(p.rows_compared == 1 for p in equal)
+        rows = [[p.keys[0], p.keys[1], p.rows_compared] for p in
+                sorted(equal, key=lambda p: (-p.rows_compared, p.keys))]
+        parts.append(f"<details><summary>{len(equal)} pair(s) stayed equal at every "
+                     f"checkpoint ({one_row} compared on one row only)</summary>"
+                     + _table("Pairs that stayed equal", ["request A", "request B",
+                                                          "rows compared"], rows)
+                     + "</details>")
+    return "".join(parts)
+
+
+def _rank_html(r: RankAnalysis, root: Path | None, command: dict[str, Any] | None) -> str:
     violations = [[v.kind, v.step, v.checkpoint, v.key, v.position, v.slot, v.detail]
                   for v in r.continuity]
     metadata = [[v.kind, v.step, v.key, v.position, v.detail] for v in r.metadata]
@@ -153,11 +255,9 @@ def _rank_html(r: RankAnalysis) -> str:
     sampler = [[s.step, s.keys[0], s.tokens[0], f"{s.gaps[0]:.4g}", s.keys[1], s.tokens[1],
                 f"{s.gaps[1]:.4g}", s.kind] for s in r.sampler]
     grid = _grid("Where pairs split (layer x step)", r.layers, r.step_numbers, r.grid(),
-                 "pair(s) split here")
-    return (f"<h2>Rank {r.rank}: {r.steps} steps, {r.rows} tapped rows</h2>{grid}"
-            + _table("Same-prefix pairs", ["request A", "request B", "rows compared",
-                                           "first split step", "position", "culprit",
-                                           "agreeing input", "steps split"], pairs)
+                 "same-prefix pairs that split")
+    return (f"<h2>Rank {r.rank}: {r.steps} steps, {r.rows} tapped rows</h2>"
+            + _pairs_html(r, root, command) + grid
             + _table("Continuity violations", ["kind", "step", "checkpoint", "request",
                                                "position", "slot", "detail"], violations)
             + checked + _table("Metadata (counters, planned vs valid lengths)",
@@ -166,10 +266,25 @@ def _rank_html(r: RankAnalysis) -> str:
                                        "token B", "gap B", "kind"], sampler))
 
 
-def html_page(analysis: Analysis) -> str:
-    """One self-contained HTML page (inline style and script, nothing fetched)."""
+def _run_command(root: Path | None) -> dict[str, Any] | None:
+    """What ``enginetap tap run`` was asked for this run (its ``tap-run.json``), if any."""
+    if root is None:
+        return None
+    try:
+        found = json.loads((root / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    keys = ("engine", "model", "prompts", "batch_size", "max_new_tokens")
+    return found if isinstance(found, dict) and all(k in found for k in keys) else None
+
+
+def html_page(analysis: Analysis, run_dir: Path | None = None) -> str:
+    """One self-contained HTML page (inline style and script, nothing fetched). With
+    ``run_dir`` (the run's folder) each finding carries the commands to run next (built
+    from its ``tap-run.json``) and, where raw rows were written, the size of the split."""
+    command = _run_command(run_dir)
     lines = "".join(f"<li>{html.escape(line)}</li>" for line in summary(analysis))
-    body = "".join(_rank_html(r) for r in analysis.ranks) + _table(
+    body = "".join(_rank_html(r, run_dir, command) for r in analysis.ranks) + _table(
         "Cross-rank (replicated checkpoints that differ from rank 0)",
         ["step", "checkpoint", "request", "position", "ranks"],
         [[m.step, m.checkpoint, m.key, m.position, m.ranks] for m in analysis.cross_rank])
@@ -179,7 +294,7 @@ def html_page(analysis: Analysis) -> str:
 def _page(title: str, body: str) -> str:
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
             f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<p id='status'>static</p>{body}<script>{_SCRIPT}</script></body></html>")
+            f"{body}<script>{_SCRIPT}</script></body></html>")
 
 
 def diff_page(diffs: list[RunDiff], run_a: TapRun, lines: list[str]) -> str:

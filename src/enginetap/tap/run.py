@@ -14,8 +14,12 @@ from typing import Any
 
 from enginetap.errors import ConfigError
 
-__all__ = ["BUILTIN_PROMPTS", "PROMPTS_ABOUT", "PROMPT_FILES", "load_prompts", "record_run",
-           "record_vllm_run"]
+__all__ = ["BUILTIN_PROMPTS", "PROMPTS_ABOUT", "PROMPT_FILES", "RUN_FILE", "load_prompts",
+           "record_run", "record_vllm_run", "save_run_command", "vector_options"]
+
+RUN_FILE = "tap-run.json"
+"""What ``enginetap tap run`` was asked (engine, model, prompts, sizes), beside the tap
+files: ``enginetap tap report`` builds its next commands from it."""
 
 BUILTIN_PROMPTS: dict[str, list[str]] = {
     "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
@@ -61,6 +65,55 @@ def load_prompts(spec: str) -> list[str]:
         raise ConfigError(f"{path} holds no prompts", "every line is empty",
                           "write one prompt per line")
     return prompts
+
+
+def vector_options(out: Path, vectors: str, steps: str | None, checkpoints: str | None,
+                   requests: str | None) -> dict[str, Any]:
+    """``options.tap`` entries for ``tap run``'s vector flags. With checkpoints or requests
+    the rows go through a control file written to ``<out>/vector-control.json``.
+
+    Raises:
+        ConfigError: an unknown mode, a malformed step window, or flags that do not go
+            together.
+    """
+    if vectors not in ("off", "split"):
+        raise ConfigError(f"unknown --vectors {vectors!r}", "vectors are off or split "
+                          "(a step window is --vector-steps)", "pass --vectors split, or "
+                          "--vector-steps FIRST:LAST")
+    narrow = {"checkpoints": _names(checkpoints), "requests": _names(requests)}
+    if steps is None:
+        if any(narrow.values()):
+            raise ConfigError("--vector-checkpoints/--vector-requests need --vector-steps",
+                              "they narrow a window of steps", "add --vector-steps FIRST:LAST")
+        return {} if vectors == "off" else {"vectors": "split"}
+    if vectors != "off":
+        raise ConfigError("--vectors split and --vector-steps do not go together",
+                          "split writes where pairs split, a window writes those steps",
+                          "pass one of them")
+    first, sep, last = steps.partition(":")
+    try:
+        window = [int(first), int(last if sep else first)]
+    except ValueError:
+        window = []
+    if len(window) != 2 or window[0] < 0 or window[1] < window[0]:
+        raise ConfigError(f"bad --vector-steps {steps!r}", "it is FIRST:LAST (or one STEP), "
+                          "0 ≤ FIRST ≤ LAST", "pass e.g. --vector-steps 3:5")
+    if not any(narrow.values()):
+        return {"vectors": "window", "vector_steps": window}
+    control = out.resolve() / "vector-control.json"
+    control.parent.mkdir(parents=True, exist_ok=True)
+    control.write_text(json.dumps({"steps": window, **narrow}) + "\n", encoding="utf-8")
+    return {"vectors": "control", "vector_control": str(control)}
+
+
+def _names(text: str | None) -> list[str]:
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
+def save_run_command(out: Path, command: dict[str, Any]) -> None:
+    """Write :data:`RUN_FILE` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_FILE).write_text(json.dumps(command, indent=1) + "\n", encoding="utf-8")
 
 
 def _prompt_of(path: Path, number: int, line: str) -> str:
