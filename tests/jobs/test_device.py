@@ -125,6 +125,8 @@ def test_tap_run_takes_device_and_dtype(tmp_path: Path) -> None:
 @pytest.mark.parametrize("command", [
     ["capture", "--model", "builtin:llama"],
     ["tap", "run", "--model", "builtin:llama", "--prompts", "builtin:short"],
+    ["tap", "run", "--model", "builtin:llama", "--prompts", "builtin:short",
+     "--vector-steps", "1", "--vector-checkpoints", "L0"],  # no control file left either
 ])
 def test_engine_vllm_without_vllm_is_one_line_and_retry_is_not_refused(
         tmp_path: Path, command: list[str]) -> None:

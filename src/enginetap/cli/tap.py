@@ -50,7 +50,7 @@ def run(
              "p0,p6).")] = None,
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
-    from enginetap.jobs.device import check_device, check_dtype
+    from enginetap.jobs.device import check_device, check_dtype, require_vllm
     from enginetap.tap.run import (load_prompts, record_run, record_vllm_run, save_run_command,
                                    vector_options)
 
@@ -66,6 +66,8 @@ def run(
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
     texts = load_prompts(prompts)
+    if engine == "vllm":
+        require_vllm("tap")
     command = {"engine": engine, "model": model, "prompts": prompts, "batch_size": batch_size,
                "max_new_tokens": max_new_tokens, "max_rows": max_rows, "tp": tp,
                "dtype": dtype, "device": device, "depth": depth}

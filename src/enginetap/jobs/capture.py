@@ -25,6 +25,7 @@ from typing import Any, Literal
 from enginetap.capture.labels import write_labels
 from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.errors import ConfigError
+from enginetap.jobs.device import require_vllm
 
 __all__ = ["CaptureJob", "CaptureResult", "RUN_DIR", "run_capture"]
 
@@ -74,7 +75,7 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     _check_definitions(job, model_dir)
     profile = _profile(job, model_dir)
     if job.engine == "vllm":
-        _require_vllm()
+        require_vllm("capture")
     run_dir = _prepare_out(job.out)
     config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=run_dir, options={
         "capture": {"dataset": str(job.out.resolve()), "definitions": job.definitions,
@@ -124,18 +125,6 @@ def _check_definitions(job: CaptureJob, model_dir: Path) -> None:
         raise ConfigError(f"unknown definition(s) {', '.join(unknown)} for this model",
                           f"it runs {', '.join(sorted(n for n in names if n))}",
                           "name families or definitions from that list")
-
-
-def _require_vllm() -> None:
-    """vLLM imports, checked before ``--out`` is touched so that a failed start leaves
-    nothing behind (importing it loads no plugin: arming happens when the engine is built)."""
-    try:
-        from vllm import LLM  # noqa: F401
-    except (ImportError, OSError) as exc:
-        raise ConfigError("vLLM is not installed" if isinstance(exc, ModuleNotFoundError)
-                          else "vLLM does not import", f"--engine vllm runs vllm.LLM ({exc})",
-                          "pip install enginetap[vllm] (or capture with --engine builtin)"
-                          ) from None
 
 
 VLLM_MAX_LEN = 2048

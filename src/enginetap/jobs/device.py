@@ -12,7 +12,7 @@ import re
 
 from enginetap.errors import ConfigError
 
-__all__ = ["BUILTIN_DTYPES", "VLLM_DTYPES", "check_device", "check_dtype"]
+__all__ = ["BUILTIN_DTYPES", "VLLM_DTYPES", "check_device", "check_dtype", "require_vllm"]
 
 BUILTIN_DTYPES = ("float32", "bfloat16", "float16")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -70,3 +70,20 @@ def check_dtype(dtype: str | None, engine: str, default: str) -> str:
                           f"{what} runs {', '.join(allowed)}",
                           f"pass --dtype {allowed[0]} (or another of those)")
     return dtype
+
+
+def require_vllm(command: str) -> None:
+    """vLLM imports; checked before an output folder is touched, so that a failed start
+    leaves nothing behind. Importing vLLM loads no plugin (arming happens when an engine
+    is built), so the arming that follows still precedes every vLLM engine.
+
+    Raises:
+        ConfigError: vLLM is not installed, or does not import.
+    """
+    try:
+        from vllm import LLM  # noqa: F401
+    except (ImportError, OSError) as exc:
+        raise ConfigError("vLLM is not installed" if isinstance(exc, ModuleNotFoundError)
+                          else "vLLM does not import", f"--engine vllm runs vllm.LLM ({exc})",
+                          f"pip install enginetap[vllm] (or {command} with --engine builtin)"
+                          ) from None
