@@ -105,9 +105,9 @@ def test_chromium_shows_the_legend_and_the_first_findings_next_command(cli_run) 
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
     assert 'data-rendered="yes"' in dom  # the script ran to its end
-    legend = re.search(r'<p class="legend" id="legend">(.*?)</p>', dom, re.S)
+    legend = re.search(r'<p class="legend grid-legend">(.*?)</p>', dom, re.S)
     assert legend and "one row per decoder layer" in legend.group(1)
-    assert "one column per engine step" in legend.group(1)
+    assert "one column per recorded engine step" in legend.group(1)
     first = re.search(r'<div class="finding">(.*?)</div>', dom, re.S).group(1)
     block = html.unescape(re.search(r'<pre class="next">(.*?)</pre>', first, re.S).group(1))
     assert block.splitlines() == _commands(_findings(page)[0])

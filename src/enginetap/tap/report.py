@@ -139,14 +139,14 @@ def _table(title: str, head: list[str], rows: list[list[Any]]) -> str:
 
 
 def _legend(what: str) -> str:
-    return ("<p class='legend' id='legend'>How to read it: one row per decoder layer "
+    return ("<p class='legend grid-legend'>How to read it: one row per decoder layer "
             "(<b>L0</b> is the first; <b>model</b> holds the checkpoints outside the layers, "
-            "such as the final norm), one column per engine step (step 0 is the first "
-            "prefill; each later column a prefill or decode step of the run). "
+            "such as the final norm), one column per recorded engine step (the engine's step "
+            "number: a prefill or a decode step). "
             f"<span class='key' style='background:#e55'>&nbsp;</span>a number: the {what} "
             "at that step, counted in the layer of the first differing checkpoint (hover or "
             "click for the count); <span class='key' style='background:#f4fff4'>&nbsp;</span>"
-            "none. The leftmost red cell of a row is where to look first.</p>")
+            "none. The leftmost red column holds the earliest divergence: look there first.</p>")
 
 
 def _grid(title: str, layers: list[str], steps: list[int], cells: Counter,
@@ -305,7 +305,7 @@ def diff_page(diffs: list[RunDiff], run_a: TapRun, lines: list[str]) -> str:
         rank = run_a.ranks[d.rank]
         parts.append(f"<h2>Rank {d.rank}</h2>" + _grid(
             "Where rows first diverge (layer x step of run A)", _layers(rank),
-            [s.step for s in rank.steps], d.cells, "row(s) first diverge here"))
+            [s.step for s in rank.steps], d.cells, "aligned rows that first diverge"))
         parts.append(_table("First divergence per request", ["request", "position",
                                                              "step A", "step B", "checkpoint"],
                             [[f.key, f.position, f.step_a, f.step_b, f.checkpoint]
