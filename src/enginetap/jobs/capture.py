@@ -174,7 +174,8 @@ def _prepare_out(out: Path) -> Path:
 def _status(run_dir: Path, status: str, job: CaptureJob, reason: str = "") -> None:
     record = {"status": status, "reason": reason, "engine": job.engine, "model": job.model,
               "profile": job.profile, "policy": job.policy, "definitions": job.definitions,
-              "tp": job.tp, "device": job.device, "dtype": job.dtype,
+              "tp": job.tp, "device": job.device if job.engine == "builtin" else None,
+              "dtype": job.dtype,
               "command_line": list(sys.argv),
               "at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     partial = run_dir / ".capture-run.json.partial"
