@@ -15,12 +15,15 @@ __all__ = ["capture", "print_capture"]
 
 console = make_console()
 
+DEFAULT_DTYPE = {"builtin": "bfloat16", "vllm": "auto"}
+
 
 def capture(
     out: Annotated[Path, typer.Option("--out", help="Dataset directory to write.")],
     model: Annotated[str, typer.Option(help="Model directory or builtin:NAME.")] = "builtin:qwen3_next",
     profile: Annotated[str, typer.Option(
-        help="Traffic: a profile file, builtin:NAME, mooncake:FILE or agentx:FILE.")
+        help="Traffic: builtin:NAME (mooncake-tiny, chat-short, agentic-long), mooncake:FILE, "
+             "agentx:FILE or a saved profile FILE; `enginetap traffic list` says what each is.")
     ] = "builtin:mooncake-tiny",
     engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
     definitions: Annotated[Optional[list[str]], typer.Option(
@@ -35,11 +38,18 @@ def capture(
     force: Annotated[bool, typer.Option(
         "--force", help="--out is an existing dataset: start it afresh (its definitions, "
         "workloads, blobs and run records are removed; nothing else).")] = False,
+    device: Annotated[Optional[str], typer.Option(
+        help="Built-in engine: cpu (default), cuda or cuda:N. vLLM runs where its build does.")
+    ] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="Built-in engine: bfloat16 (default), float32 or float16; "
+             "vLLM: auto (default), float32, bfloat16 or float16.")] = None,
 ) -> None:
     """Drive an engine with traffic while capture is armed; print what was captured."""
     from enginetap.capture.options import POLICIES
     from enginetap.errors import ConfigError
     from enginetap.jobs.capture import CaptureJob, run_capture
+    from enginetap.jobs.device import check_device, check_dtype
 
     if engine not in ("builtin", "vllm"):
         raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
@@ -55,7 +65,9 @@ def capture(
                           "--force starts it afresh", "pass one of them")
     job = CaptureJob(engine, model, profile, out, list(definitions or []), policy, tp,
                      max_output_tokens, seed, progress=console.is_terminal or "lines",
-                     existing="append" if append else "replace" if force else "refuse")
+                     existing="append" if append else "replace" if force else "refuse",
+                     device=check_device(device, engine),
+                     dtype=check_dtype(dtype, engine, DEFAULT_DTYPE[engine]))
     result = run_capture(job)
     ok = print_capture(console, result.dataset)
     console.print(f"next: enginetap replay {escape(str(result.dataset))}")

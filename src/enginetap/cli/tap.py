@@ -10,6 +10,10 @@ from typing import Annotated, Any
 import typer
 
 from enginetap.errors import ConfigError
+from enginetap.tap.run import PROMPT_FILES, PROMPTS_ABOUT
+
+PROMPTS_HELP = ("builtin:NAME — " + "; ".join(f"{n}: {a}" for n, a in PROMPTS_ABOUT.items())
+                + f" — or a FILE: {PROMPT_FILES} (`enginetap traffic list` lists them all).")
 
 app = typer.Typer(help="Per-step sublayer fingerprints: record, report, diff.",
                   no_args_is_help=True)
@@ -18,24 +22,41 @@ app = typer.Typer(help="Per-step sublayer fingerprints: record, report, diff.",
 @app.command("run")
 def run(
     model: Annotated[str, typer.Option(help="builtin:NAME or a model folder.")],
-    prompts: Annotated[str, typer.Option(help="A prompt FILE or builtin:NAME (pairs, short).")],
+    prompts: Annotated[str, typer.Option(help=PROMPTS_HELP)],
     out: Annotated[Path, typer.Option(help="Directory for the tap files.")],
     engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
     max_rows: Annotated[int, typer.Option(min=1)] = 64,
     tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size (vllm).")] = 1,
-    dtype: Annotated[str, typer.Option(
-        help="float32 or bfloat16 (builtin; vLLM takes the model's).")] = "float32",
+    dtype: Annotated[str | None, typer.Option(
+        help="Built-in engine: float32 (default), bfloat16 or float16; "
+             "vLLM: auto (default: the model's), float32, bfloat16 or float16.")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="Built-in engine: cpu (default), cuda or cuda:N. vLLM runs where its build does.")
+    ] = None,
     depth: Annotated[str, typer.Option(
         help="sublayers (every sublayer's output) or layers (decoder layers' input and "
              "output only: about a third of the checkpoints).")] = "sublayers",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace a previous run's tap files in --out (refused without).")
     ] = False,
+    vectors: Annotated[str, typer.Option(
+        help="off, or split: also write the raw rows (safetensors) at each same-prefix "
+             "pair's first split.")] = "off",
+    vector_steps: Annotated[str | None, typer.Option(
+        help="FIRST:LAST (or STEP): write the raw rows of those steps.")] = None,
+    vector_checkpoints: Annotated[str | None, typer.Option(
+        help="With --vector-steps: only these checkpoints (names or prefixes, comma-"
+             "separated, e.g. L0.mlp,L1).")] = None,
+    vector_requests: Annotated[str | None, typer.Option(
+        help="With --vector-steps: only rows of these requests (comma-separated, e.g. "
+             "p0,p6).")] = None,
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
-    from enginetap.tap.run import load_prompts, prepare_out, record_run, record_vllm_run
+    from enginetap.jobs.device import check_device, check_dtype, require_vllm
+    from enginetap.tap.run import (load_prompts, prepare_out, record_run, record_vllm_run,
+                                   save_run_command, vector_options)
 
     if engine not in ("builtin", "vllm"):
         raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
@@ -43,21 +64,27 @@ def run(
     if tp > 1 and engine != "vllm":
         raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
                           "pass --engine vllm, or drop --tp")
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"unknown dtype {dtype!r}", "the built-in engine runs float32 or "
-                          "bfloat16", "pass --dtype float32 or --dtype bfloat16")
+    device = check_device(device, engine)
+    dtype = check_dtype(dtype, engine, "float32" if engine == "builtin" else "auto")
     if depth not in ("sublayers", "layers"):
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
     texts = load_prompts(prompts)
+    if engine == "vllm":
+        require_vllm("tap")
     prepare_out(out, force=force)
-    tap = {"max_rows": max_rows, "depth": depth}
+    command = {"engine": engine, "model": model, "prompts": prompts, "batch_size": batch_size,
+               "max_new_tokens": max_new_tokens, "max_rows": max_rows, "tp": tp,
+               "dtype": dtype, "device": device, "depth": depth}
+    tap = {"max_rows": max_rows, "depth": depth,
+           **vector_options(out, vectors, vector_steps, vector_checkpoints, vector_requests)}
     if engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
-                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp)
+                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
-                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)
+                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device)
+    save_run_command(out, command)
     typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
 
 
@@ -88,7 +115,7 @@ def report(
     else:
         typer.echo("\n".join(summary(analysis)))
     if html is not None:
-        _write_page(html, html_page(analysis))
+        _write_page(html, html_page(analysis, run_dir))
 
 
 @app.command("diff")

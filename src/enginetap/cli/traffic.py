@@ -10,13 +10,15 @@ from rich.table import Table
 
 from enginetap.cli.console import make_console
 
-app = typer.Typer(help="Traffic profiles: real traces, derived requests, rebuilt prompts.",
+app = typer.Typer(help="Traffic profiles: real traces, derived requests, rebuilt prompts "
+                  "(`enginetap traffic list`: what is built in).",
                   no_args_is_help=True)
 
 out = make_console()
 err = make_console(stderr=True)
 
-SPEC_HELP = "A profile FILE, builtin:NAME, mooncake:FILE or agentx:FILE."
+SPEC_HELP = ("builtin:NAME, mooncake:FILE, agentx:FILE or a saved profile FILE "
+             "(`enginetap traffic list` lists the built-ins).")
 
 
 def _row(table: Table, name: str, req) -> None:
@@ -94,3 +96,29 @@ def _refuse_own_input(spec: str, out_path: Path) -> None:
         raise TrafficError(f"--out {out_path} is the input {source}",
                            "writing the profile there would replace the trace it is derived from",
                            "pass another --out file")
+
+
+@app.command("list")
+def list_builtins() -> None:
+    """Built-in traffic profiles, trace formats, the shipped Mooncake sample, and the
+    prompt sets and prompt-file format of `enginetap tap run --prompts`."""
+    from enginetap.tap.run import BUILTIN_PROMPTS, PROMPT_FILES, PROMPTS_ABOUT
+    from enginetap.traffic.sources import BUILTIN_PROFILES, PROFILE_ABOUT, packaged_trace_path
+
+    lines = ["built-in traffic profiles (capture --profile builtin:NAME; "
+             "`enginetap traffic show builtin:NAME` prints one):"]
+    width = max(map(len, [*BUILTIN_PROFILES, *BUILTIN_PROMPTS]))
+    lines += [f"  {name:<{width}}  {PROFILE_ABOUT[name]}" for name in BUILTIN_PROFILES]
+    lines += ["traces (capture --profile, traffic show/derive):",
+              "  mooncake:FILE  a Mooncake JSONL trace: timestamp (ms), input_length, "
+              "output_length, hash_ids (512-token blocks) per line",
+              "  agentx:FILE    an AgentX shapes JSON file (dataset, revision, profiles, "
+              "overlap_profiles)",
+              "  FILE           a profile saved by `enginetap traffic derive`",
+              f"shipped Mooncake sample (60 lines of the Mooncake FAST'25 conversation trace, "
+              f"Apache-2.0): {packaged_trace_path()}",
+              "built-in prompt sets (tap run --prompts builtin:NAME):"]
+    lines += [f"  {name:<{width}}  {PROMPTS_ABOUT[name]}" for name in BUILTIN_PROMPTS]
+    lines += [f"prompt files (tap run --prompts FILE): {PROMPT_FILES}"]
+    for line in lines:
+        typer.echo(line)

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from enginetap.capture.labels import write_labels
 from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.errors import ConfigError
+from enginetap.jobs.device import require_vllm
 
 __all__ = ["CaptureJob", "CaptureResult", "RUN_DIR", "run_capture"]
 
@@ -60,7 +61,10 @@ class CaptureJob:
     progress: bool | str = True
     """A progress bar (True), plain progress lines (``"lines"``) or nothing (False)."""
     device: str = "cpu"
-    """Where the built-in engine runs its model (``cpu`` or ``cuda``); vLLM chooses its own."""
+    """Where the built-in engine runs its model (``cpu``, ``cuda``, ``cuda:N``); vLLM
+    chooses its own (see :mod:`enginetap.jobs.device`)."""
+    dtype: str | None = None
+    """The engine's dtype: the built-in engine's default is bfloat16, vLLM's ``auto``."""
 
 
 @dataclass
@@ -81,6 +85,8 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     model_dir = _model_dir(job.model)
     _check_definitions(job, model_dir)
     profile = _profile(job, model_dir)
+    if job.engine == "vllm":
+        require_vllm("capture")
     run_dir = _prepare_out(job.out, job.existing)
     config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=run_dir, options={
         "capture": {"dataset": str(job.out.resolve()), "definitions": job.definitions,
@@ -227,7 +233,9 @@ def _keep_previous_run(run_dir: Path) -> None:
 def _status(run_dir: Path, status: str, job: CaptureJob, reason: str = "") -> None:
     record = {"status": status, "reason": reason, "engine": job.engine, "model": job.model,
               "profile": job.profile, "policy": job.policy, "definitions": job.definitions,
-              "tp": job.tp, "command_line": list(sys.argv),
+              "tp": job.tp, "device": job.device if job.engine == "builtin" else None,
+              "dtype": job.dtype,
+              "command_line": list(sys.argv),
               "at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     partial = run_dir / ".capture-run.json.partial"
     partial.write_text(json.dumps(record, indent=2) + "\n")
@@ -255,12 +263,15 @@ def _labeller(run_dir: Path, profile_name: str) -> Callable[[str, Sequence[Any]]
 
 def _run_builtin(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
                  run_dir: Path, on_engine: Callable[[Any], None] | None) -> Any:
+    import torch
+
     from enginetap.engines.hf import HFEngine
     from enginetap.engines.hf.arming import disarm
     from enginetap.traffic.drivers import BuiltinDriver
     from enginetap.traffic.runner import run_profile
 
-    engine = HFEngine(model_dir, device=job.device, arm=config)
+    dtype = getattr(torch, job.dtype or "bfloat16")
+    engine = HFEngine(model_dir, device=job.device, dtype=dtype, arm=config)
     try:
         runtime = engine.arming.context.notes.get("capture") if engine.arming else None
         if runtime is None or not runtime.installed_targets:
@@ -290,7 +301,7 @@ def _run_vllm(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
 
     llm = LLM(model=str(model_dir), tensor_parallel_size=job.tp, gpu_memory_utilization=0.3,
               enforce_eager=True, max_model_len=VLLM_MAX_LEN, enable_prefix_caching=True,
-              seed=0)
+              seed=0, dtype=job.dtype or "auto")
     try:
         if on_engine is not None:
             on_engine(llm)

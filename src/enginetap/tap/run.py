@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
+from enginetap.tap.format import RUN_FILE
 
-__all__ = ["BUILTIN_PROMPTS", "MAX_PROMPT_BYTES", "load_prompts", "prepare_out", "record_run",
-           "record_vllm_run"]
+__all__ = ["BUILTIN_PROMPTS", "MAX_PROMPT_BYTES", "PROMPTS_ABOUT", "PROMPT_FILES", "RUN_FILE",
+           "load_prompts", "prepare_out", "record_run", "record_vllm_run", "save_run_command",
+           "vector_options"]
 
 MAX_PROMPT_BYTES = 64 << 20
 """Largest prompt file read."""
+
 
 BUILTIN_PROMPTS: dict[str, list[str]] = {
     "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
@@ -26,6 +29,16 @@ BUILTIN_PROMPTS: dict[str, list[str]] = {
     "short": ["hello", "kernels and caches", "decode one token at a time", "batching"],
 }
 """Built-in prompt sets; ``pairs`` repeats prompts so that same-prefix pairs exist."""
+
+PROMPTS_ABOUT: dict[str, str] = {
+    "pairs": "8 prompts, 3 of them repeated: same-prefix pairs for `tap report`",
+    "short": "4 distinct short prompts: no pairs, a quick run for `tap diff`",
+}
+"""What each built-in prompt set is for (``enginetap traffic list``)."""
+
+PROMPT_FILES = ('a text file, one prompt per line (blank lines skipped), or a .jsonl file '
+                'of {"prompt": "..."} objects, one per line')
+"""The prompt-file format ``--prompts FILE`` reads."""
 
 
 def load_prompts(spec: str) -> list[str]:
@@ -59,6 +72,55 @@ def load_prompts(spec: str) -> list[str]:
     return prompts
 
 
+def vector_options(out: Path, vectors: str, steps: str | None, checkpoints: str | None,
+                   requests: str | None) -> dict[str, Any]:
+    """``options.tap`` entries for ``tap run``'s vector flags. With checkpoints or requests
+    the rows go through a control file written to ``<out>/vector-control.json``.
+
+    Raises:
+        ConfigError: an unknown mode, a malformed step window, or flags that do not go
+            together.
+    """
+    if vectors not in ("off", "split"):
+        raise ConfigError(f"unknown --vectors {vectors!r}", "vectors are off or split "
+                          "(a step window is --vector-steps)", "pass --vectors split, or "
+                          "--vector-steps FIRST:LAST")
+    narrow = {"checkpoints": _names(checkpoints), "requests": _names(requests)}
+    if steps is None:
+        if any(narrow.values()):
+            raise ConfigError("--vector-checkpoints/--vector-requests need --vector-steps",
+                              "they narrow a window of steps", "add --vector-steps FIRST:LAST")
+        return {} if vectors == "off" else {"vectors": "split"}
+    if vectors != "off":
+        raise ConfigError("--vectors split and --vector-steps do not go together",
+                          "split writes where pairs split, a window writes those steps",
+                          "pass one of them")
+    first, sep, last = steps.partition(":")
+    try:
+        window = [int(first), int(last if sep else first)]
+    except ValueError:
+        window = []
+    if len(window) != 2 or window[0] < 0 or window[1] < window[0]:
+        raise ConfigError(f"bad --vector-steps {steps!r}", "it is FIRST:LAST (or one STEP), "
+                          "0 ≤ FIRST ≤ LAST", "pass e.g. --vector-steps 3:5")
+    if not any(narrow.values()):
+        return {"vectors": "window", "vector_steps": window}
+    control = out.resolve() / "vector-control.json"
+    control.parent.mkdir(parents=True, exist_ok=True)
+    control.write_text(json.dumps({"steps": window, **narrow}) + "\n", encoding="utf-8")
+    return {"vectors": "control", "vector_control": str(control)}
+
+
+def _names(text: str | None) -> list[str]:
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
+def save_run_command(out: Path, command: dict[str, Any]) -> None:
+    """Write :data:`RUN_FILE` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_FILE).write_text(json.dumps(command, indent=1) + "\n", encoding="utf-8")
+
+
 def _prompt_of(path: Path, number: int, line: str) -> str:
     if path.suffix != ".jsonl":
         return line
@@ -77,8 +139,8 @@ def _prompt_of(path: Path, number: int, line: str) -> str:
 
 def prepare_out(out: Path, *, force: bool = False, name: str = "tap") -> None:
     """Make ``out`` ready for a new run: refuse to replace a previous run's tap files
-    unless ``force``, which deletes them (every rank's, so no stale rank is left behind)
-    and nothing else in the folder.
+    unless ``force``, which deletes them (every rank's, so no stale rank is left behind),
+    the run's raw-row folders and its ``tap-run.json``, and nothing else in the folder.
 
     Raises:
         ConfigError: ``out`` is not a directory, or holds a run's tap files and not ``force``.
@@ -95,13 +157,20 @@ def prepare_out(out: Path, *, force: bool = False, name: str = "tap") -> None:
                           "(nothing else in the folder is touched)")
     for path in found:
         path.unlink()
+    if found:  # the replaced run's raw rows and command would be read as the new run's
+        import shutil
+
+        for stale in sorted(out.glob(f"{name}-vectors-rank*")):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale)
+        (out / RUN_FILE).unlink(missing_ok=True)
 
 
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
-               dtype: str = "float32") -> list[list[int]]:
-    """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine,
-    writing the tap files to ``out``; returns the output tokens in prompt order.
+               dtype: str = "float32", device: str = "cpu") -> list[list[int]]:
+    """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine on
+    ``device``, writing the tap files to ``out``; returns the output tokens in prompt order.
 
     Raises:
         ConfigError: the model or the tap options are invalid.
@@ -115,7 +184,8 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
 
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                        options={"tap": tap or {}, "step": {"record": False}})
-    kwargs = {"dtype": getattr(torch, dtype), "prefix_cache_size": 0, "arm": config}
+    kwargs = {"dtype": getattr(torch, dtype), "device": device, "prefix_cache_size": 0,
+              "arm": config}
     try:
         engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
                   if model.startswith("builtin:") else HFEngine(model, **kwargs))
@@ -132,26 +202,29 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
 
 def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                     max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
-                    tp: int = 1) -> list[list[int]]:
+                    tp: int = 1, dtype: str = "auto") -> list[list[int]]:
     """The same on vLLM CPU (``vllm.LLM`` in this process, greedy, eager, no prefix
     caching, at most ``batch_size`` requests at once): every vLLM process is armed through
     ``ENGINETAP_CONFIG`` (``<out>/arming.json``), one tap file per rank. With ``tp > 1``
     ``VLLM_CPU_OMP_THREADS_BIND`` defaults to ``nobind`` (vLLM's binding needs a NUMA node
-    per rank).
+    per rank). ``dtype`` is vLLM's (``auto``: the model's).
 
     Raises:
-        ConfigError: the model or the tap options are invalid, or vLLM is not installed.
+        ConfigError: the model or the tap options are invalid, or vLLM is not installed
+            (checked before anything is written to ``out``).
     """
     model_dir = _model_dir(model)
-    _arm_vllm_processes(out, tap or {}, tp)
-    try:
+    try:  # importing vLLM loads no plugin: the arming below still precedes the engine
         from vllm import LLM, SamplingParams
-    except ImportError:
-        raise ConfigError("vLLM is not installed", "--engine vllm runs vllm.LLM",
-                          "pip install enginetap[vllm]") from None
+    except (ImportError, OSError) as exc:
+        raise ConfigError("vLLM is not installed" if isinstance(exc, ModuleNotFoundError)
+                          else "vLLM does not import", f"--engine vllm runs vllm.LLM ({exc})",
+                          "pip install enginetap[vllm] (or tap with --engine builtin)"
+                          ) from None
+    _arm_vllm_processes(out, tap or {}, tp)
     llm = LLM(model=str(model_dir), tensor_parallel_size=tp, gpu_memory_utilization=0.3,
               enforce_eager=True, enable_prefix_caching=False, max_num_seqs=batch_size,
-              seed=0)
+              seed=0, dtype=dtype)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     try:
         done: dict[str, list[int]] = {}
