@@ -11,7 +11,6 @@ what fails is the definition's tie contract (reported to the definitions owner).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from enginetap.dataset import Dataset

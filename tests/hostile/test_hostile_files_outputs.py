@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 import enginetap
 from enginetap.dataset import Dataset

@@ -7,6 +7,7 @@ other batch sizes, TP sizes or on the other engine align request by request in
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any

@@ -19,7 +19,6 @@ import torch
 from enginetap.capture.probe import ProbeCall
 from enginetap.capture.probe import instantiate as cached_instantiate
 from enginetap.dataset.schema import Definition
-from enginetap.definitions import get_template
 
 __all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
            "end_aligned", "fill_pages", "gather_pages", "instantiate", "live_columns", "one_run",
