@@ -5,8 +5,9 @@ definition's family, whose library is not installed or that does not run on this
 nothing was checked, and it never counts as a pass), ``FAIL`` (a comparison failed),
 ``ERROR`` (something could not run: unreadable workload, a reference or candidate that
 raised or ended its process), ``REFUSED`` (a definition whose reference enginetap did not
-generate, without ``--trust-dataset-code``). A replay is ``ok`` when nothing is worse than
-SKIPPED; the summary line counts the SKIPPED checks.
+generate, without ``--trust-dataset-code``). A replay is ``ok`` when something was replayed
+and nothing is worse than SKIPPED (nothing replayed is never ok); the summary line counts
+the SKIPPED checks.
 """
 
 from __future__ import annotations
@@ -148,9 +149,10 @@ class ReplayReport(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
-        """No dataset problem and nothing worse than SKIPPED."""
-        return not self.problems and all(_RANK[s] <= _RANK["SKIPPED"]
-                                         for s in self._statuses())
+        """Something was replayed, no dataset problem and nothing worse than SKIPPED."""
+        statuses = self._statuses()
+        return (bool(statuses) and not self.problems
+                and all(_RANK[s] <= _RANK["SKIPPED"] for s in statuses))
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -145,6 +145,8 @@ def _plan(dataset: Dataset, names: list[str] | None,
     lines: dict[str, list[WorkloadLine]] = {}
     for record in scan_workloads(dataset.root)[0]:
         lines.setdefault(record.line.definition, []).append(record.line)
+    if not available:
+        report.problems.append("nothing to replay: the dataset holds no definitions")
     plan = []
     for name in names or sorted(available):
         if name in available:
@@ -232,6 +234,13 @@ def _replay_definition(dataset: Dataset, definition: Definition, lines: list[Wor
         for _ in lines:
             advance()
         return reference
+    if not lines:  # nothing to run the reference (or a candidate) on: never a pass
+        reference.run.close()
+        ran = (f"; no --solution ran on it ({', '.join(c.name for c in candidates)})"
+               if candidates else "")
+        return DefinitionResult(name=definition.name, status="FAIL", reference=reference.source,
+                                message=f"nothing replayed: the definition has no workloads "
+                                        f"(readable ones) in this dataset{ran}")
     replay = _WorkloadReplay(dataset, definition, reference, candidates, options)
     results = []
     try:
@@ -288,11 +297,22 @@ class _WorkloadReplay:
         cand_ms: dict[str, float | None] = {}
         for candidate in self.candidates:
             checks += self._candidate_checks(candidate, data, cand_ms)
+        checks = [self._verified_something(c, data) for c in checks]
         if all(c.status == "SKIPPED" for c in checks):
             checks.append(OutputCheck(output="-", check="reference", status="FAIL",
                                       message=self._nothing_compared()))
         return WorkloadResult(uuid=uuid, status=worst([c.status for c in checks]), axes=axes,
                               reference_ms=called.ms, candidate_ms=cand_ms, checks=checks)
+
+    def _verified_something(self, check: OutputCheck, data: _Workload) -> OutputCheck:
+        """``check``, or a FAIL when its PASS verified nothing: the output has zero elements,
+        or its expected value holds no finite number (a NaN from anything matches NaN)."""
+        if check.status != "PASS" or check.check not in ("engine", "candidate"):
+            return check
+        why = _verifies_nothing(check.output, data.expected[check.output], data.axes)
+        if why is None:
+            return check
+        return check.model_copy(update={"status": "FAIL", "message": why})
 
     def _nothing_compared(self) -> str:
         # A replay that compared nothing proves nothing: it must not read as a PASS.
@@ -379,6 +399,22 @@ class _WorkloadReplay:
             return Comparison(kind=rule.kind, passed=False, shape=list(expected.shape),
                               dtype=str(expected.dtype).removeprefix("torch."),
                               reason=f"cannot compare: {one_line(exc)}", matched_ratio=0.0)
+
+
+def _verifies_nothing(name: str, expected: torch.Tensor, axes: Mapping[str, int]) -> str | None:
+    """Why a comparison with ``expected`` proves nothing, or None when it proves something."""
+    import torch
+
+    if expected.numel() == 0:
+        where = " ".join(f"{k}={v}" for k, v in axes.items()) or "its const axes"
+        return (f"nothing compared: output {name!r} has zero elements (shape "
+                f"{list(expected.shape)} from {where}); a zero-element workload verifies nothing")
+    packed = getattr(torch, "float4_e2m1fn_x2", None)
+    if expected.dtype.is_floating_point and expected.dtype != packed:
+        if not bool(torch.isfinite(expected.to(torch.float32)).any()):
+            return (f"nothing finite compared: the expected {name!r} holds no finite value "
+                    "(all NaN/inf), so any NaN-returning code matches it")
+    return None
 
 
 class _Progress:
