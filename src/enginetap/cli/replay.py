@@ -61,6 +61,10 @@ def replay(
         help="Seconds one call of a --solution (or trusted dataset reference) may take, "
              "warm-up and timed runs included, before its process is killed and the "
              "workload reported as an ERROR; 0: no limit.")] = 600.0,
+    memory_limit: Annotated[float | None, typer.Option(
+        help="GiB one call of a --solution or reference may allocate, and a workload may "
+             "expand to (its tensors plus the pages it gathers); default: half of this "
+             "machine's memory; 0: no limit.", show_default=False)] = None,
     trust_dataset_code: Annotated[bool, typer.Option(
         "--trust-dataset-code",
         help="Also run references enginetap did not generate (executes dataset code).")] = False,
@@ -84,6 +88,7 @@ def replay(
                             trust_dataset_code=trust_dataset_code, device=device,
                             warmup=warmup, repeats=repeats,
                             timeout=timeout if timeout != 0 else None,
+                            memory_limit=_memory_limit(memory_limit),
                             progress=err.is_terminal)
     print_report(out, report)
     summary = render_summary(report)
@@ -93,6 +98,15 @@ def replay(
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)
+
+
+def _memory_limit(gib: float | None) -> int | None | str:
+    if gib is None:
+        return "auto"
+    if gib < 0:
+        raise EnginetapError(f"bad --memory-limit {gib:g}", "it is a size in GiB",
+                             "pass e.g. --memory-limit 8, or 0 for no limit")
+    return int(gib * 2**30) if gib else None
 
 
 def _solutions_table() -> Any:

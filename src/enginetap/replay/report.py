@@ -48,8 +48,11 @@ class ReplayOptions(BaseModel):
     warmup: int = 1
     repeats: int = 3
     timeout: float | None = 600.0
-    """Seconds one call of a candidate or trusted dataset reference may take in its child
-    process (warm-up and timed runs included) before it is killed; None: no limit."""
+    """Seconds one call of a candidate or reference may take in its child process (warm-up
+    and timed runs included; loading it too) before it is killed; None: no limit."""
+    memory_limit: int | None = None
+    """Bytes one call of a candidate or reference may allocate, and a workload may expand
+    to (its tensors, plus the pages it gathers); None: no limit."""
 
 
 class OutputCheck(BaseModel):
