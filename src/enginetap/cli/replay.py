@@ -90,14 +90,32 @@ def replay(
                             timeout=timeout if timeout != 0 else None,
                             memory_limit=_memory_limit(memory_limit),
                             progress=err.is_terminal)
-    print_report(out, report)
-    summary = render_summary(report)
+    shown = _printable(report)  # dataset names may hold terminal escape sequences
+    print_report(out, shown)
+    summary = render_summary(shown)
     if summary is not None:
         out.print(summary)
-    out.print(summary_line(report), markup=False, highlight=False)
+    out.print(summary_line(shown), markup=False, highlight=False)
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)
+
+
+def _printable(report: Any) -> Any:
+    """A copy of ``report`` for the terminal: every string with its control characters
+    escaped (the ``--json`` report keeps them exact; JSON escapes them itself)."""
+    from enginetap.dataset.printable import printable
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return printable(value)
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        return value
+
+    return type(report).model_validate(clean(report.model_dump()))
 
 
 def _memory_limit(gib: float | None) -> int | None | str:

@@ -254,6 +254,11 @@ class _Blobs:
     def orphans(self, damaged: list[DamagedLine]) -> list[str]:
         """A line for each entry under ``blob/`` that no readable line references."""
         base = self.root / "blob"
+        if base.is_symlink() and not base.resolve().is_relative_to(self.root):
+            # Never walked: its files are not the dataset's to judge (or to advise deleting).
+            return [f"blob: a symlink leading outside the dataset (to {base.resolve()}); "
+                    "enginetap never reads blobs through it, so every blob it should hold is "
+                    "missing: replace the link by a directory inside the dataset"]
         if not base.is_dir():
             return []
         named = {p: d.where for d in reversed(damaged) for path in d.paths
