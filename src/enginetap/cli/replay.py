@@ -58,8 +58,8 @@ def replay(
     warmup: Annotated[int, typer.Option(help="Untimed runs before timing.")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 3,
     timeout: Annotated[float, typer.Option(
-        help="Seconds one call of a --solution (or trusted dataset reference) may take, "
-             "warm-up and timed runs included, before its process is killed and the "
+        help="Seconds importing, and then one call of, a --solution or reference may "
+             "take, warm-up and timed runs included, before its process is killed and the "
              "workload reported as an ERROR; 0: no limit.")] = 600.0,
     memory_limit: Annotated[float | None, typer.Option(
         help="GiB one call of a --solution or reference may allocate, and a workload may "

@@ -176,7 +176,7 @@ class ReplayReport(BaseModel):
 
 
 def summary_line(report: ReplayReport) -> str:
-    """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``ok: nothing to replay``."""
+    """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``not ok: nothing to replay``."""
     counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
     return f"{'ok' if report.ok else 'not ok'}: {counts or 'nothing to replay'}"
 
