@@ -62,8 +62,8 @@ def show(path: str = _PATH) -> None:
     for column in ("workloads", "size", "variants", "with outputs"):
         table.add_column(column, justify="right")
     for s in summaries:
-        table.add_row(Text(printable(s.name)), Text(printable(s.op_type)), str(s.workloads), human_bytes(s.bytes),
-                      str(s.variants), str(s.with_outputs))
+        table.add_row(Text(printable(s.name)), Text(printable(s.op_type)), str(s.workloads),
+                      human_bytes(s.bytes), str(s.variants), str(s.with_outputs))
     console.print(table)
 
 

@@ -275,6 +275,9 @@ def _call(message: dict[str, Any]) -> dict[str, Any]:
 @contextmanager
 def _memory_bound(limit: int | None) -> Iterator[None]:
     """Let this process's data segment grow by at most ``limit`` bytes inside the block."""
+    if limit is None:
+        yield
+        return
     try:
         import resource
 
@@ -282,9 +285,6 @@ def _memory_bound(limit: int | None) -> Iterator[None]:
         held = int(status.split("VmData:")[1].split()[0]) * 1024
         old = resource.getrlimit(resource.RLIMIT_DATA)
     except (ImportError, OSError, IndexError, ValueError):  # not Linux: no bound to set
-        yield
-        return
-    if limit is None:
         yield
         return
     hard = old[1]

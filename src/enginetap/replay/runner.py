@@ -13,8 +13,8 @@ tolerance). Problems with the dataset itself (``validate_dataset``) are listed i
 and make it fail; what can still be read is replayed anyway, and a workload that cannot be
 loaded is an ERROR row. A workload where nothing was compared (no stored engine outputs and
 no candidate, an output with zero elements, an expected output with no finite value) FAILS,
-and so does a definition without workloads. Nothing here lets an exception from dataset or user code escape: it
-becomes a one-line message on the row it concerns. Candidates (each solution in its
+and so does a definition without workloads. Nothing here lets an exception from dataset or
+user code escape: it becomes a one-line message on the row it concerns. Candidates (each solution in its
 own) and every reference (enginetap's own and trusted dataset ones) run in a child process
 (:mod:`enginetap.replay.execution`) under the same timeout and memory limit, so that
 ``sys.exit``, ``KeyboardInterrupt``, ``os._exit``, a crash, a hang or an allocation past
