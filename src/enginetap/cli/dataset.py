@@ -1,7 +1,8 @@
 """`enginetap dataset` commands: validate a FlashInfer-Trace dataset, show what it holds.
 
 Everything printed comes from data (names, paths): it is printed as plain text, never read
-as rich markup, so a name like ``rms[/]norm`` or a root like ``runs/[exp1]/ds`` shows as is.
+as rich markup, so a name like ``rms[/]norm`` or a root like ``runs/[exp1]/ds`` shows as is,
+and with terminal control characters escaped (:func:`~enginetap.dataset.printable.printable`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rich.text import Text
 
 from enginetap.cli.console import make_console
 from enginetap.dataset import summarize_dataset, validate_dataset
+from enginetap.dataset.printable import printable
 
 app = typer.Typer(help="Validate and inspect FlashInfer-Trace datasets.", no_args_is_help=True)
 
@@ -31,15 +33,15 @@ def validate(path: str = _PATH) -> None:
     problems = validate_dataset(path)
     if problems:
         for problem in problems:
-            typer.echo(problem)  # plain echo: one line per problem, never wrapped
-        typer.echo(f"{len(problems)} problem(s) in {path}", err=True)
+            typer.echo(printable(problem))  # plain echo: one line per problem, never wrapped
+        typer.echo(f"{len(problems)} problem(s) in {printable(path)}", err=True)
         # sys.exit rather than typer.Exit: the console entry runs the app in non-standalone
         # mode, where typer.Exit becomes a return value and the exit code would be lost.
         sys.exit(1)
     summaries = summarize_dataset(path)
     workloads = sum(s.workloads for s in summaries)
     with_outputs = sum(s.with_outputs for s in summaries)
-    typer.echo(f"OK {path}: {len(summaries)} definition(s), {workloads} workload(s), "
+    typer.echo(f"OK {printable(path)}: {len(summaries)} definition(s), {workloads} workload(s), "
                f"{with_outputs} with engine outputs")
 
 
@@ -52,16 +54,16 @@ def show(path: str = _PATH) -> None:
     summaries = summarize_dataset(path)
     console = make_console()
     if not summaries:
-        console.print(f"no definitions in {path}", markup=False, highlight=False)
+        console.print(f"no definitions in {printable(path)}", markup=False, highlight=False)
         return
-    table = Table(title=Text(path))
+    table = Table(title=Text(printable(path)))
     for column in ("definition", "op_type"):
         table.add_column(column, overflow="fold")  # names must stay whole to be usable
     for column in ("workloads", "size", "variants", "with outputs"):
         table.add_column(column, justify="right")
     for s in summaries:
-        table.add_row(Text(s.name), Text(s.op_type), str(s.workloads), human_bytes(s.bytes),
-                      str(s.variants), str(s.with_outputs))
+        table.add_row(Text(printable(s.name)), Text(printable(s.op_type)), str(s.workloads),
+                      human_bytes(s.bytes), str(s.variants), str(s.with_outputs))
     console.print(table)
 
 

@@ -79,7 +79,7 @@ def synth(
     nothing behind, and the others still run."""
     from enginetap.dataset import Dataset
     from enginetap.definitions.registry import get_template, templates
-    from enginetap.replay.synth import coerce_values, synthesize
+    from enginetap.replay.synth import check_room, coerce_values, synthesize
 
     if bool(family) == all_:
         raise ConfigError("say which families", "pass --family F (repeatable) or --all, not both",
@@ -87,6 +87,13 @@ def synth(
     chosen = sorted(templates()) if all_ else list(dict.fromkeys(family or []))
     target = [get_template(name) for name in chosen]  # unknown names fail before any write
     store, overrides, failed = Dataset(dataset, create=True), _pairs(set_), 0
+    for template in target:  # more workloads than the disk holds: refused before any write
+        try:
+            chosen_values = {**template.example, **coerce_values(template, overrides)}
+            definition = template.instantiate(**chosen_values)
+        except EnginetapError:
+            continue  # reported with the family below
+        check_room(store, template, definition, workloads)
     for template in target:
         try:
             definition = synthesize(store, template, coerce_values(template, overrides),

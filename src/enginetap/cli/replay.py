@@ -61,9 +61,13 @@ def replay(
     warmup: Annotated[int, typer.Option(help="Untimed runs before timing.")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 3,
     timeout: Annotated[float, typer.Option(
-        help="Seconds one call of a --solution (or trusted dataset reference) may take, "
-             "warm-up and timed runs included, before its process is killed and the "
+        help="Seconds importing, and then one call of, a --solution or reference may "
+             "take, warm-up and timed runs included, before its process is killed and the "
              "workload reported as an ERROR; 0: no limit.")] = 600.0,
+    memory_limit: Annotated[float | None, typer.Option(
+        help="GiB one call of a --solution or reference may allocate, and a workload may "
+             "expand to (its tensors plus the pages it gathers); default: half of this "
+             "machine's memory; 0: no limit.", show_default=False)] = None,
     trust_dataset_code: Annotated[bool, typer.Option(
         "--trust-dataset-code",
         help="Also run references enginetap did not generate (executes dataset code).")] = False,
@@ -88,15 +92,17 @@ def replay(
                             trust_dataset_code=trust_dataset_code, device=device,
                             warmup=warmup, repeats=repeats,
                             timeout=timeout if timeout != 0 else None,
+                            memory_limit=_memory_limit(memory_limit),
                             progress=err.is_terminal)
     report.definitions += left_out
-    print_report(out, report)
-    summary = render_summary(report)
+    shown = _printable(report)  # dataset names may hold terminal escape sequences
+    print_report(out, shown)
+    summary = render_summary(shown)
     if summary is not None:
         out.print(summary)
-    for note in summary_notes(report):
+    for note in summary_notes(shown):
         out.print(note, markup=False, highlight=False, soft_wrap=True)
-    out.print(summary_line(report), markup=False, highlight=False)
+    out.print(summary_line(shown), markup=False, highlight=False)
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)
@@ -161,6 +167,32 @@ def _closest(wanted: str, names: list[str], shown: int = 12) -> str:
         return "nothing: the dataset holds no definitions"
     more = f" (+{len(ordered) - shown} more)" if len(ordered) > shown else ""
     return ", ".join(ordered[:shown]) + more
+
+
+def _printable(report: Any) -> Any:
+    """A copy of ``report`` for the terminal: every string with its control characters
+    escaped (the ``--json`` report keeps them exact; JSON escapes them itself)."""
+    from enginetap.dataset.printable import printable
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return printable(value)
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        return value
+
+    return type(report).model_validate(clean(report.model_dump()))
+
+
+def _memory_limit(gib: float | None) -> int | None | str:
+    if gib is None:
+        return "auto"
+    if gib < 0:
+        raise EnginetapError(f"bad --memory-limit {gib:g}", "it is a size in GiB",
+                             "pass e.g. --memory-limit 8, or 0 for no limit")
+    return int(gib * 2**30) if gib else None
 
 
 def _solutions_table() -> Any:

@@ -63,7 +63,39 @@ def validate_dataset(root: str | Path) -> list[str]:
         if record.line.definition not in by_name:
             unknown.setdefault((record.rel, record.line.definition), []).append(record.lineno)
     problems += _unknown_definitions(unknown, sorted(by_name), unreadable)
-    return problems + blobs.orphans(scan.damaged)
+    return problems + blobs.orphans(scan.damaged) + _capture_run(base)
+
+
+CAPTURE_RUN = "enginetap/capture-run.json"
+"""Where ``enginetap capture`` records whether the run that wrote the dataset completed."""
+
+
+def _capture_run(root: Path) -> list[str]:
+    """A problem when the last capture into ``root`` did not complete (failed, interrupted,
+    killed while ``running``): its workloads may be a partial set."""
+    import json
+
+    from enginetap.dataset.files import read_capped
+
+    path = root / CAPTURE_RUN
+    if not os.path.lexists(path):
+        return []
+    try:
+        record = json.loads(read_capped(path, 1 << 20))
+        status, reason = record["status"], record.get("reason") or ""
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        why = str(exc) if isinstance(exc, OSError) else "it is not a capture status record"
+        return [f"{CAPTURE_RUN}: cannot read the capture's status ({why}); whether the "
+                "capture completed is unknown: capture again, or delete the file to accept "
+                "the workloads as they are"]
+    if status == "complete":
+        return []
+    said = f" ({str(reason)[:300]})" if reason else ""
+    state = ("still running, or killed before it ended" if status == "running"
+             else f"status {str(status)[:40]!r}{said}")
+    return [f"{CAPTURE_RUN}: the capture that wrote this dataset did not complete ({state}); "
+            "its workloads may be partial: capture again, or delete that file to accept "
+            "them as they are"]
 
 
 def _unknown_definitions(unknown: Mapping[tuple[str, str], list[int]], known: list[str],
@@ -222,6 +254,11 @@ class _Blobs:
     def orphans(self, damaged: list[DamagedLine]) -> list[str]:
         """A line for each entry under ``blob/`` that no readable line references."""
         base = self.root / "blob"
+        if base.is_symlink() and not base.resolve().is_relative_to(self.root):
+            # Never walked: its files are not the dataset's to judge (or to advise deleting).
+            return [f"blob: a symlink leading outside the dataset (to {base.resolve()}); "
+                    "enginetap never reads blobs through it, so every blob it should hold is "
+                    "missing: replace the link by a directory inside the dataset"]
         if not base.is_dir():
             return []
         named = {p: d.where for d in reversed(damaged) for path in d.paths

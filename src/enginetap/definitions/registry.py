@@ -55,7 +55,11 @@ def known_template(definition: Definition) -> Template | None:
         ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
     except (DefinitionError, ValueError, KeyError):
         return None
-    same = (ours.reference == definition.reference and ours.name == definition.name
-            and ours.inputs == definition.inputs and ours.outputs == definition.outputs
-            and ours.constraints == definition.constraints)
-    return template if same else None
+    return template if _executed(ours) == _executed(definition) else None
+
+
+def _executed(definition: Definition) -> str:
+    """What decides how a definition runs, as order-sensitive JSON: inputs are passed by
+    position, so the same dict in another order is another definition."""
+    return definition.model_dump_json(include={"name", "op_type", "axes", "inputs", "outputs",
+                                               "reference", "constraints"})

@@ -96,8 +96,9 @@ def check_claims(candidates: Sequence[Candidate], definitions: Sequence[Definiti
                               "file (docs/replay.md)")
 
 
-def open_candidates(specs: Sequence[str]) -> list[Candidate]:
-    """Start a child per solution and load it there.
+def open_candidates(specs: Sequence[str], timeout: float | None = None) -> list[Candidate]:
+    """Start a child per solution and load it there (importing it: ``timeout`` seconds at
+    most).
 
     Raises:
         ConfigError: a name is given twice, a Solution file cannot be read, or a user's
@@ -114,7 +115,7 @@ def open_candidates(specs: Sequence[str]) -> list[Candidate]:
             # A Solution file by its absolute path: the child may not share a relative one.
             load = str(Path(spec).resolve()) if fib is not None else spec
             opened.append(Candidate(spec, ChildFunction(solution=load), builtin_named(spec), fib))
-            opened[-1].run.start()
+            opened[-1].run.start(timeout)
     except BaseException:
         close_candidates(opened)
         raise

@@ -5,8 +5,14 @@ may call ``sys.exit``, raise ``KeyboardInterrupt``, call ``os._exit`` or crash. 
 :class:`enginetap.core.isolated.Child`, so that any of that becomes a :class:`FunctionFailed`
 for the workload it happened on (the child is started again for the next one) and never ends
 the replay. Tensors go to and from the child as safetensors files in a private temporary
-directory; scalars and everything else as JSON. enginetap's regenerated references run in
-this process (:class:`LocalFunction`), with the same calling convention.
+directory; scalars and everything else as JSON. enginetap's regenerated references run
+in a child too, under the same limits (:class:`LocalFunction` calls a function in this
+process with the same convention, for callers that trust it and need no limits).
+
+Limits: loading a function (importing a solution, compiling a reference) and every call
+take at most ``timeout`` seconds; during a call the child's data segment (heap and
+anonymous mappings, ``RLIMIT_DATA``) may grow by at most ``memory`` bytes, so code that
+allocates past it fails with a one-line error instead of exhausting the machine.
 
 Both return a :class:`Called`: the outputs of one call, whether they were written into
 destination buffers, and the median time of ``repeats`` further calls (after ``warmup``).
@@ -16,7 +22,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +59,9 @@ class Timing:
     timeout: float | None = None
     """Seconds a call in a child may take (warm-up and timed runs included); None: no
     limit. A call past it is killed with its process."""
+    memory: int | None = None
+    """Bytes a call in a child may allocate beyond what its process held before it; None:
+    no limit."""
 
 
 @dataclass
@@ -115,15 +125,20 @@ class ChildFunction:
         """The child's answer to the last load (a user's function: ``claim``)."""
         self._dir = Path(tempfile.mkdtemp(prefix="enginetap-replay-"))
 
-    def start(self) -> None:
-        """Start the child and load the function there.
+    def start(self, timeout: float | None = None) -> None:
+        """Start the child and load the function there, within ``timeout`` seconds.
 
         Raises:
-            ConfigError: a solution cannot be imported (or ended its process importing).
+            ConfigError: a solution cannot be imported (or ended its process importing, or
+                took longer than ``timeout``).
             FunctionFailed: a reference cannot be loaded.
         """
         try:
-            reply = self._child.request(self._load)
+            if not self._child.running:
+                # The interpreter and torch start without the limit (enginetap's own
+                # imports, slow on a busy machine); the function's own import runs under it.
+                self._child.request({"op": "warm"})
+            reply = self._child.request(self._load, timeout)
         except ChildDied as exc:
             reply = {"error": str(exc)}
         if "config_error" in reply:
@@ -146,11 +161,11 @@ class ChildFunction:
                    "definition": definition.model_dump_json(),
                    "scalars": {k: v for k, v in inputs.items() if k not in tensors},
                    "axes": dict(axes), "device": timing.device, "warmup": timing.warmup,
-                   "repeats": timing.repeats, "scrub": list(scrub)}
+                   "repeats": timing.repeats, "scrub": list(scrub), "memory": timing.memory}
         try:
             _save(tensors, self._dir / _INPUTS)
             if not self._child.running or self._loaded_in != self._child.starts:
-                self.start()
+                self.start(timing.timeout)
             reply = self._child.request(message, timing.timeout)
         except (ChildDied, ConfigError, OSError) as exc:  # OSError: no room for the inputs
             raise FunctionFailed(str(exc)) from None
@@ -199,6 +214,10 @@ built-in solution or Solution file (``adapter``) that makes the function per def
 
 def serve(message: dict[str, Any]) -> dict[str, Any]:
     """The child's side of :class:`ChildFunction` (``enginetap.core.isolated`` calls it)."""
+    if message["op"] == "warm":
+        import safetensors.torch  # noqa: F401  (and torch with it)
+
+        return {}
     if message["op"] == "load":
         return _load(message)
     return _call(message)
@@ -246,7 +265,41 @@ def _call(message: dict[str, Any]) -> dict[str, Any]:
         function = function.adapter(definition)
     plan = (CallPlan(definition) if kind == "reference"
             else CallPlan.for_function(function, definition))
-    called = _run(function, plan, inputs, message["axes"],
-                  Timing(device, message["warmup"], message["repeats"]), message["scrub"])
+    memory = message.get("memory")
+    with _memory_bound(memory):
+        try:
+            called = _run(function, plan, inputs, message["axes"],
+                          Timing(device, message["warmup"], message["repeats"]),
+                          message["scrub"])
+        except (MemoryError, RuntimeError) as exc:
+            if memory is None or not isinstance(exc, MemoryError) and \
+                    "allocate memory" not in str(exc):
+                raise
+            raise MemoryError(f"it allocated past the memory limit of {memory >> 20} MiB per "
+                              "call (--memory-limit)") from None
     _save(called.outputs, folder / _OUTPUTS)
     return {"outputs": list(called.outputs), "destination": called.destination, "ms": called.ms}
+
+
+@contextmanager
+def _memory_bound(limit: int | None) -> Iterator[None]:
+    """Let this process's data segment grow by at most ``limit`` bytes inside the block."""
+    if limit is None:
+        yield
+        return
+    try:
+        import resource
+
+        status = Path("/proc/self/status").read_text()
+        held = int(status.split("VmData:")[1].split()[0]) * 1024
+        old = resource.getrlimit(resource.RLIMIT_DATA)
+    except (ImportError, OSError, IndexError, ValueError):  # not Linux: no bound to set
+        yield
+        return
+    hard = old[1]
+    soft = held + limit if hard == resource.RLIM_INFINITY else min(held + limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, old)

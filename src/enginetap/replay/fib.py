@@ -130,24 +130,53 @@ def _positional_destinations(entry: Callable[..., Any], names: list[str]) -> Cal
     return run
 
 
+MAX_SOLUTION_BYTES = 64 << 20
+"""Largest Solution JSON read (its sources included)."""
+
+
 def read_solution(path: str | Path) -> FibSolution:
-    """Parse a Solution JSON file.
+    """Parse a Solution JSON file: a regular file of at most :data:`MAX_SOLUTION_BYTES`.
 
     Raises:
-        ConfigError: it cannot be read or is not a Solution.
+        ConfigError: it cannot be read (not a regular file, too large) or is not a Solution.
     """
+    from enginetap.dataset.files import read_capped
+
     try:
-        return FibSolution.model_validate_json(Path(path).read_bytes())
+        return FibSolution.model_validate_json(read_capped(Path(path), MAX_SOLUTION_BYTES))
     except (OSError, ValidationError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else str(exc).splitlines()[0:3]
-        raise ConfigError(f"cannot read the solution file {path}", str(why),
-                          "pass a flashinfer-bench Solution JSON") from None
+        why = (exc.strerror or str(exc) if isinstance(exc, OSError)
+               else "; ".join(str(exc).splitlines()[0:3]))
+        raise ConfigError(f"cannot read the solution file {path}", why,
+                          "pass a flashinfer-bench Solution JSON (a regular file)") from None
+
+
+def _safe(kind: str, value: str) -> str:
+    """``value`` if it may name a file and appear in generated code, else ConfigError."""
+    from enginetap.dataset.paths import safe_component
+    from enginetap.errors import DatasetError
+
+    try:
+        return safe_component(kind, value)
+    except DatasetError as exc:
+        raise ConfigError(f"{kind} {value!r} cannot be used in a Solution", exc.why,
+                          f"rename the definition's {kind} (letters, digits, '_', '.', '-')"
+                          ) from None
 
 
 def builtin_solution(builtin: BuiltinSolution, definition: Definition) -> FibSolution:
-    """``builtin`` as a Solution for ``definition`` (it must cover the family)."""
-    source = (f'"""enginetap built-in solution {builtin.name} for {definition.name}: '
-              f'{builtin.summary}."""\n\n'
+    """``builtin`` as a Solution for ``definition`` (it must cover the family).
+
+    The dataset's strings reach the generated code only as Python literals (``repr``), and a
+    name or op_type that is not a safe file name is refused.
+
+    Raises:
+        ConfigError: the definition's name or op_type is not a safe name.
+    """
+    _safe("op_type", definition.op_type)
+    _safe("name", definition.name)
+    doc = f"enginetap built-in solution {builtin.name} for {definition.name}: {builtin.summary}."
+    source = (f"{doc!r}\n\n"
               "import json\n\n"
               "from enginetap.dataset.schema import Definition\n"
               "from enginetap.replay.builtin import builtin_named\n\n"
@@ -166,16 +195,28 @@ def builtin_solution(builtin: BuiltinSolution, definition: Definition) -> FibSol
 def write_builtin_solutions(root: str | Path, builtin: BuiltinSolution,
                             definitions: list[Definition]) -> list[Path]:
     """Write ``solutions/<op_type>/<definition>/<name>.json`` under ``root`` for each
-    definition ``builtin`` covers; returns the files written."""
+    definition ``builtin`` covers; returns the files written.
+
+    Every name is checked before anything is written, and every path must stay under
+    ``root/solutions`` (links followed).
+
+    Raises:
+        ConfigError: a definition's name or op_type is not a safe name, or a path would
+            lead outside ``root``.
+    """
     from enginetap.definitions.base import family_of
 
+    covered = [(d, builtin_solution(builtin, d)) for d in definitions
+               if family_of(d) in builtin.adapters]
+    base = Path(root, "solutions")
     written = []
-    for definition in definitions:
-        if family_of(definition) not in builtin.adapters:
-            continue
-        solution = builtin_solution(builtin, definition)
-        path = Path(root, "solutions", definition.op_type, definition.name,
-                    f"{solution.name}.json")
+    for definition, solution in covered:
+        path = Path(base, definition.op_type, definition.name, f"{solution.name}.json")
+        real = path.resolve()
+        if not real.is_relative_to(base.resolve()):
+            raise ConfigError(f"refusing to write {path}", f"it resolves to {real}, outside "
+                              f"{base} (through a symlink)",
+                              "pass a new --write-solutions directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(solution.model_dump(exclude_none=True), indent=2) + "\n")
         written.append(path)

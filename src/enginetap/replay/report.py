@@ -5,8 +5,9 @@ definition's family, whose library is not installed or that does not run on this
 nothing was checked, and it never counts as a pass), ``FAIL`` (a comparison failed),
 ``ERROR`` (something could not run: unreadable workload, a reference or candidate that
 raised or ended its process), ``REFUSED`` (a definition whose reference enginetap did not
-generate, without ``--trust-dataset-code``). A replay is ``ok`` when nothing is worse than
-SKIPPED; the summary line counts the SKIPPED checks.
+generate, without ``--trust-dataset-code``). A replay is ``ok`` when something was replayed
+and nothing is worse than SKIPPED (nothing replayed is never ok); the summary line counts
+the SKIPPED checks.
 
 Every compared row also says how close it came (:func:`agreement`): ``exact`` (every
 element equal to the reference's), ``within tolerance`` (a pass that is not exact) or
@@ -55,8 +56,11 @@ class ReplayOptions(BaseModel):
     warmup: int = 1
     repeats: int = 3
     timeout: float | None = 600.0
-    """Seconds one call of a candidate or trusted dataset reference may take in its child
-    process (warm-up and timed runs included) before it is killed; None: no limit."""
+    """Seconds one call of a candidate or reference may take in its child process (warm-up
+    and timed runs included; loading it too) before it is killed; None: no limit."""
+    memory_limit: int | None = None
+    """Bytes one call of a candidate or reference may allocate, and a workload may expand
+    to (its tensors, plus the pages it gathers); None: no limit."""
 
 
 class OutputCheck(BaseModel):
@@ -165,9 +169,10 @@ class ReplayReport(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
-        """No dataset problem and nothing worse than SKIPPED."""
-        return not self.problems and all(_RANK[s] <= _RANK["SKIPPED"]
-                                         for s in self._statuses())
+        """Something was replayed, no dataset problem and nothing worse than SKIPPED."""
+        statuses = self._statuses()
+        return (bool(statuses) and not self.problems
+                and all(_RANK[s] <= _RANK["SKIPPED"] for s in statuses))
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -192,7 +197,7 @@ NOT_EXPOSED = "not exposed by this engine; not stored, so not compared"
 
 
 def summary_line(report: ReplayReport) -> str:
-    """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``ok: nothing to replay``."""
+    """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``not ok: nothing to replay``."""
     counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
     return f"{'ok' if report.ok else 'not ok'}: {counts or 'nothing to replay'}"
 

@@ -12,11 +12,15 @@ family's :class:`CompareRule` per output (no family: integers and bools exact, f
 tolerance). Problems with the dataset itself (``validate_dataset``) are listed in the report
 and make it fail; what can still be read is replayed anyway, and a workload that cannot be
 loaded is an ERROR row. A workload where nothing was compared (no stored engine outputs and
-no candidate) FAILS. Nothing here lets an exception from dataset or user code escape: it
-becomes a one-line message on the row it concerns. Candidates (each solution in its
-own) and trusted dataset references run in a child process
-(:mod:`enginetap.replay.execution`), so that ``sys.exit``, ``KeyboardInterrupt``,
-``os._exit`` or a crash in them is an ERROR row too. A solution that cannot run a
+no candidate, an output with zero elements, an expected output with no finite value) FAILS,
+and so does a definition without workloads. Nothing here lets an exception from dataset or
+user code escape: it becomes a one-line message on the row it concerns. Candidates (each solution in its
+own) and every reference (enginetap's own and trusted dataset ones) run in a child process
+(:mod:`enginetap.replay.execution`) under the same timeout and memory limit, so that
+``sys.exit``, ``KeyboardInterrupt``, ``os._exit``, a crash, a hang or an allocation past
+the limit in them is an ERROR row too. A workload whose tensors, with the pages it gathers
+(pages referenced x page size), would take more than the memory limit is an ERROR row
+before anything runs. A solution that cannot run a
 definition (:mod:`enginetap.replay.candidates`) gives SKIPPED rows, never a pass.
 """
 
@@ -62,7 +66,6 @@ from enginetap.replay.execution import (
     Called,
     ChildFunction,
     FunctionFailed,
-    LocalFunction,
     Timing,
     child,
 )
@@ -80,7 +83,8 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
                    solution: str | Sequence[str] | None = None,
                    trust_dataset_code: bool = False,
                    device: str = "cpu", warmup: int = 1, repeats: int = 3,
-                   timeout: float | None = 600.0, progress: bool = False) -> ReplayReport:
+                   timeout: float | None = 600.0, memory_limit: int | None | str = "auto",
+                   progress: bool = False) -> ReplayReport:
     """Replay the dataset at ``root`` and return what every check found.
 
     ``definitions`` limits the replay to these names; ``solution`` is one candidate or a
@@ -88,6 +92,8 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     ``module:function``, to check and time against the reference, each in its own process.
     A call there that takes more than ``timeout`` seconds (None: no limit) is killed and
     reported as an ERROR for that workload; the next workload gets a fresh process.
+    ``memory_limit`` bounds, in bytes, what one call may allocate and what a workload may
+    expand to (``"auto"``: half of this machine's memory; None: no limit).
 
     Raises:
         ConfigError: bad device, counts or solution (it cannot be imported, or a user's
@@ -101,13 +107,15 @@ def replay_dataset(root: str | Path, *, definitions: Iterable[str] | None = None
     options = ReplayOptions(dataset=str(root), definitions=list(definitions) if definitions
                             else None, solutions=solutions,
                             trust_dataset_code=trust_dataset_code,
-                            device=device, warmup=warmup, repeats=repeats, timeout=timeout)
+                            device=device, warmup=warmup, repeats=repeats, timeout=timeout,
+                            memory_limit=default_memory_limit() if memory_limit == "auto"
+                            else memory_limit)
     _check_options(options)
     dataset = Dataset(root)
     candidates: list[Candidate] = []
-    trusted = child()  # one process for every trusted dataset reference, started if needed
+    trusted = child()  # one process for every reference, started if needed
     try:
-        candidates = open_candidates(solutions)
+        candidates = open_candidates(solutions, timeout)
         report = ReplayReport(options=options, problems=validate_dataset(root),
                               created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                               enginetap_version=__version__, torch_version=torch.__version__)
@@ -132,6 +140,10 @@ def _check_options(options: ReplayOptions) -> None:
     if options.timeout is not None and not options.timeout > 0:
         raise ConfigError(f"bad timeout {options.timeout}", "a call needs a positive limit",
                           "pass e.g. --timeout 600 (seconds), or 0 for no limit")
+    if options.memory_limit is not None and not options.memory_limit > 0:
+        raise ConfigError(f"bad memory limit {options.memory_limit}",
+                          "a call needs a positive limit",
+                          "pass e.g. --memory-limit 8 (GiB), or 0 for no limit")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {options.device!r} is not available",
                           "this torch sees no CUDA device", "use --device cpu")
@@ -154,6 +166,8 @@ def _plan(dataset: Dataset, names: list[str] | None,
     lines: dict[str, list[WorkloadLine]] = {}
     for record in scan_workloads(dataset.root)[0]:
         lines.setdefault(record.line.definition, []).append(record.line)
+    if not available:
+        report.problems.append("nothing to replay: the dataset holds no definitions")
     plan = []
     for name in names or sorted(available):
         if name in available:
@@ -164,18 +178,29 @@ def _plan(dataset: Dataset, names: list[str] | None,
     return plan
 
 
+def default_memory_limit() -> int | None:
+    """Half of this machine's physical memory (None where it cannot be read)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 @dataclass
 class _Reference:
-    run: LocalFunction | ChildFunction
+    run: ChildFunction
     rules: dict[str, CompareRule]
     source: str
 
 
-def _resolve_reference(definition: Definition, trust_dataset_code: bool,
+def _resolve_reference(definition: Definition, options: ReplayOptions,
                        trusted: Child) -> _Reference | str:
     """The reference to run for ``definition``, or the reason it is refused.
 
-    Trusted dataset source runs in the child process ``trusted``, like a candidate.
+    It runs in the child process ``trusted``, like a candidate: enginetap's regenerated
+    source, or the dataset's own when trusted.
 
     Raises:
         DefinitionError: enginetap's regenerated source defines no ``run``.
@@ -186,28 +211,34 @@ def _resolve_reference(definition: Definition, trust_dataset_code: bool,
         ours = template.instantiate(**definition.const_axes, **params_of(definition, template))
         # Constraints decide which workloads are valid: edited ones make it foreign too.
         if ours.constraints == definition.constraints:
-            return _Reference(LocalFunction(compile_reference(ours.reference, definition.name)),
+            compile_reference(ours.reference, definition.name)  # ours must define run
+            return _Reference(_started(ChildFunction(trusted, reference=ours.reference,
+                                                     name=definition.name), options),
                               _rules(definition, template), "enginetap")
     family = templates().get(family_of(definition) or "")
-    if not trust_dataset_code:
+    if not options.trust_dataset_code:
         why = (f"its reference differs from what enginetap {__version__} generates for family "
                f"{family.family!r} (edited, or made by another enginetap version)"
                if family is not None else "its reference is not from a known enginetap family")
         return f"{why}; dataset code runs only with {TRUST_FLAG}"
     run = ChildFunction(trusted, reference=definition.reference, name=definition.name)
+    return _Reference(_started(run, options), _rules(definition, family), "dataset")
+
+
+def _started(run: ChildFunction, options: ReplayOptions) -> ChildFunction:
     try:
-        run.start()
+        run.start(options.timeout)
     except BaseException:
         run.close()
         raise
-    return _Reference(run, _rules(definition, family), "dataset")
+    return run
 
 
-def _load_reference(definition: Definition, trust_dataset_code: bool,
+def _load_reference(definition: Definition, options: ReplayOptions,
                     trusted: Child) -> _Reference | DefinitionResult:
     """The reference to run, or the REFUSED/ERROR result of the whole definition."""
     try:
-        reference = _resolve_reference(definition, trust_dataset_code, trusted)
+        reference = _resolve_reference(definition, options, trusted)
     except FunctionFailed as exc:
         return DefinitionResult(name=definition.name, status="ERROR",
                                 message=f"its reference cannot be loaded: {exc}")
@@ -236,11 +267,18 @@ def _replay_definition(dataset: Dataset, definition: Definition, lines: list[Wor
                        advance: Callable[[], None]) -> DefinitionResult:
     """``processes``: the candidates and the child for trusted references."""
     candidates, trusted = processes
-    reference = _load_reference(definition, options.trust_dataset_code, trusted)
+    reference = _load_reference(definition, options, trusted)
     if isinstance(reference, DefinitionResult):
         for _ in lines:
             advance()
         return reference
+    if not lines:  # nothing to run the reference (or a candidate) on: never a pass
+        reference.run.close()
+        ran = (f"; no --solution ran on it ({', '.join(c.name for c in candidates)})"
+               if candidates else "")
+        return DefinitionResult(name=definition.name, status="FAIL", reference=reference.source,
+                                message=f"nothing replayed: the definition has no workloads "
+                                        f"(readable ones) in this dataset{ran}")
     replay = _WorkloadReplay(dataset, definition, reference, candidates, options)
     results = []
     try:
@@ -274,10 +312,14 @@ class _WorkloadReplay:
         self.candidates, self.device = candidates, options.device
         # Decided once per definition, before anything runs: SKIPPED, never a pass.
         self.skipped = {c.name: c.skip_reason(definition, options.device) for c in candidates}
-        self.timing = Timing(options.device, options.warmup, options.repeats, options.timeout)
+        self.timing = Timing(options.device, options.warmup, options.repeats, options.timeout,
+                             options.memory_limit)
 
     def run(self, line: WorkloadLine) -> WorkloadResult:
         uuid, axes = line.workload.uuid, line.workload.axes
+        too_big = _expansion_problem(self.definition, axes, self.timing.memory)
+        if too_big is not None:
+            return WorkloadResult(uuid=uuid, status="ERROR", axes=axes, message=too_big)
         try:
             inputs = self.dataset.load_inputs(line, self.device)
             engine = self.dataset.load_outputs(line, self.device)
@@ -297,11 +339,22 @@ class _WorkloadReplay:
         cand_ms: dict[str, float | None] = {}
         for candidate in self.candidates:
             checks += self._candidate_checks(candidate, data, cand_ms)
+        checks = [self._verified_something(c, data) for c in checks]
         if all(c.status == "SKIPPED" for c in checks):
             checks.append(OutputCheck(output="-", check="reference", status="FAIL",
                                       message=self._nothing_compared()))
         return WorkloadResult(uuid=uuid, status=worst([c.status for c in checks]), axes=axes,
                               reference_ms=called.ms, candidate_ms=cand_ms, checks=checks)
+
+    def _verified_something(self, check: OutputCheck, data: _Workload) -> OutputCheck:
+        """``check``, or a FAIL when its PASS verified nothing: the output has zero elements,
+        or its expected value holds no finite number (a NaN from anything matches NaN)."""
+        if check.status != "PASS" or check.check not in ("engine", "candidate"):
+            return check
+        why = _verifies_nothing(check.output, data.expected[check.output], data.axes)
+        if why is None:
+            return check
+        return check.model_copy(update={"status": "FAIL", "message": why})
 
     def _nothing_compared(self) -> str:
         # A replay that compared nothing proves nothing: it must not read as a PASS.
@@ -388,6 +441,62 @@ class _WorkloadReplay:
             return Comparison(kind=rule.kind, passed=False, shape=list(expected.shape),
                               dtype=str(expected.dtype).removeprefix("torch."),
                               reason=f"cannot compare: {one_line(exc)}", matched_ratio=0.0)
+
+
+_PAGE_AXES = ("num_pages", "page_size")
+
+
+def _expansion_problem(definition: Definition, axes: Mapping[str, int],
+                       limit: int | None) -> str | None:
+    """Why the workload would take more than ``limit`` bytes, or None.
+
+    Counted before anything is loaded, from the axes alone: every declared input and output,
+    plus, for a paged definition (``kv_indices`` into caches shaped ``[num_pages,
+    page_size, ...]``), the pages it gathers: each index is a page the reference copies,
+    however often it repeats.
+    """
+    import math
+
+    from enginetap.dataset.dtypes import torch_dtype
+
+    if limit is None:
+        return None
+    try:
+        shapes = {name: definition.shape_of(spec, dict(axes)) or ()
+                  for name, spec in (*definition.inputs.items(), *definition.outputs.items())}
+    except KeyError:  # axes that do not fit: validation reports it, loading fails on it
+        return None
+    specs = {**definition.inputs, **definition.outputs}
+    sizes = {name: math.prod(shape) * torch_dtype(specs[name].dtype).itemsize
+             for name, shape in shapes.items()}
+    total, gathered, referenced = sum(sizes.values()), 0, 0
+    if "kv_indices" in definition.inputs:
+        referenced = math.prod(shapes["kv_indices"])
+        per_page = sum(sizes[name] // shapes[name][0] for name, spec in definition.inputs.items()
+                       if tuple(spec.shape or ())[:2] == _PAGE_AXES and shapes[name][0])
+        gathered = referenced * per_page
+    if total + gathered <= limit:
+        return None
+    detail = (f" ({total >> 20} MiB of tensors, {gathered >> 20} MiB gathered from "
+              f"{referenced} pages referenced)" if gathered else "")
+    return (f"not run: the workload would take {(total + gathered) >> 20} MiB{detail}, more "
+            f"than the memory limit of {limit >> 20} MiB; pass --memory-limit to raise it")
+
+
+def _verifies_nothing(name: str, expected: torch.Tensor, axes: Mapping[str, int]) -> str | None:
+    """Why a comparison with ``expected`` proves nothing, or None when it proves something."""
+    import torch
+
+    if expected.numel() == 0:
+        where = " ".join(f"{k}={v}" for k, v in axes.items()) or "its const axes"
+        return (f"nothing compared: output {name!r} has zero elements (shape "
+                f"{list(expected.shape)} from {where}); a zero-element workload verifies nothing")
+    packed = getattr(torch, "float4_e2m1fn_x2", None)
+    if expected.dtype.is_floating_point and expected.dtype != packed:
+        if not bool(torch.isfinite(expected.to(torch.float32)).any()):
+            return (f"nothing finite compared: the expected {name!r} holds no finite value "
+                    "(all NaN/inf), so any NaN-returning code matches it")
+    return None
 
 
 class _Progress:

@@ -68,6 +68,14 @@ SIZE_BUDGET = 256 * 2**20
 ``hidden_size=10**12`` is refused, not allocated)."""
 
 
+BATCH = 64
+"""Workloads computed, then written, at a time: memory holds one batch, never the whole
+synth."""
+
+_SAMPLED = 16
+"""Workloads whose sizes estimate a synth's total (their var axes cycle or grow slowly)."""
+
+
 def synthesize(dataset: Dataset, template: Template, values: Mapping[str, Any] | None = None,
                *, workloads: int = 2, seed: int = 0,
                size_budget: int = SIZE_BUDGET) -> Definition:
@@ -75,20 +83,61 @@ def synthesize(dataset: Dataset, template: Template, values: Mapping[str, Any] |
 
     ``values`` override the family's example const axes and params. Workload ``i`` uses
     seed ``seed + i`` and the var axes ``template.axes_for(consts, i)`` (they vary with
-    ``i``). Every workload is computed before anything is written, and a write that fails
-    removes what this call wrote, so a failed synth leaves no definition without workloads.
+    ``i``). Workloads are computed and written :data:`BATCH` at a time, after a check that
+    they fit on the disk (:func:`check_room`); a failure at any point removes what this
+    call wrote, so a failed synth leaves no definition without workloads.
 
     Raises:
         DefinitionError: the values do not instantiate the family, a workload would exceed
-            ``size_budget`` bytes, or the family's generator or reference fails.
+            ``size_budget`` bytes, the workloads would not fit in the free disk space, or
+            the family's generator or reference fails.
         DatasetError: the dataset refuses the definition or a workload.
         OSError: writing failed (what this call wrote is removed first).
     """
     definition = template.instantiate(**{**template.example, **(values or {})})
-    computed = [_workload(template, definition, seed + i, i, size_budget)
-                for i in range(workloads)]
-    _write(dataset, definition, computed)
+    check_room(dataset, template, definition, workloads)
+    written: list[str] = []
+    new = definition.name not in dataset.definitions()
+    try:
+        dataset.write_definition(definition)
+        for start in range(0, workloads, BATCH):
+            batch = [_workload(template, definition, seed + i, i, size_budget)
+                     for i in range(start, min(start + BATCH, workloads))]
+            _write_batch(dataset, definition, batch, written)
+    except BaseException:
+        if new:  # only what this call created: never another writer's definition
+            from enginetap.dataset.paths import definition_relpath, workloads_relpath
+
+            _remove(dataset, [definition_relpath(definition.op_type, definition.name),
+                              workloads_relpath(definition.op_type, definition.name),
+                              *written])
+        raise
     return definition
+
+
+def check_room(dataset: Dataset, template: Template, definition: Definition,
+               workloads: int) -> None:
+    """Refuse a synth whose workloads cannot fit in the free space of the dataset's disk
+    (their tensors alone, estimated from the largest of the first workloads).
+
+    Raises:
+        DefinitionError: the workloads exceed the free space (each one's own budget is
+            checked as it is computed).
+    """
+    import shutil
+
+    sizes = [_check_size(definition, template.axes_for(definition.const_axes, i), math.inf)
+             for i in range(min(workloads, _SAMPLED))]
+    if max(sizes, default=0) > SIZE_BUDGET:
+        return  # each workload is refused on its own, with that reason, as it is computed
+    need = max(sizes, default=0) * workloads
+    free = shutil.disk_usage(dataset.root).free
+    if need > free:
+        raise DefinitionError(
+            f"{definition.name}: --workloads {workloads} would write about "
+            f"{need / 2**30:.1f} GiB of tensors",
+            f"the disk holding {dataset.root} has {free / 2**30:.1f} GiB free",
+            "ask for fewer workloads")
 
 
 def _workload(template: Template, definition: Definition, seed: int, index: int,
@@ -115,7 +164,8 @@ def _workload(template: Template, definition: Definition, seed: int, index: int,
     return inputs, outputs, receipt
 
 
-def _check_size(definition: Definition, axes: Mapping[str, int], budget: int) -> None:
+def _check_size(definition: Definition, axes: Mapping[str, int], budget: float) -> int:
+    """The bytes of one workload's tensors (refused past ``budget``)."""
     from enginetap.dataset.dtypes import torch_dtype
 
     total = 0
@@ -127,25 +177,17 @@ def _check_size(definition: Definition, axes: Mapping[str, int], budget: int) ->
             f"{definition.name}: a synthetic workload would take {total / 2**20:.1f} MiB",
             f"more than the budget of {budget / 2**20:.0f} MiB for synthetic tensors",
             "choose smaller const axes with --set")
+    return total
 
 
-def _write(dataset: Dataset, definition: Definition,
-           computed: list[tuple[dict[str, Any], dict[str, Any], Receipt]]) -> None:
-    from enginetap.dataset.paths import definition_relpath, workloads_relpath
-
-    new = definition.name not in dataset.definitions()
-    written: list[str] = []
-    try:
-        dataset.write_definition(definition)
-        for inputs, outputs, receipt in computed:
-            line = dataset.add_workload(definition, inputs, outputs=outputs, receipt=receipt)
-            written += [ref for ref in _blob_refs(line)]
-    except BaseException:
-        if new:  # only what this call created: never another writer's definition
-            rels = [definition_relpath(definition.op_type, definition.name),
-                    workloads_relpath(definition.op_type, definition.name), *written]
-            _remove(dataset, rels)
-        raise
+def _write_batch(dataset: Dataset, definition: Definition,
+                 computed: list[tuple[dict[str, Any], dict[str, Any], Receipt]],
+                 written: list[str]) -> None:
+    """Write one batch of computed workloads, adding each blob written to ``written`` at
+    once (so that a failure later in the batch still removes it)."""
+    for inputs, outputs, receipt in computed:
+        line = dataset.add_workload(definition, inputs, outputs=outputs, receipt=receipt)
+        written += _blob_refs(line)
 
 
 def _blob_refs(line: Any) -> list[str]:
