@@ -14,7 +14,7 @@ from typing import Any
 
 from enginetap.errors import ConfigError
 
-__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run", "record_vllm_run"]
+__all__ = ["BUILTIN_PROMPTS", "load_prompts", "record_run", "record_vllm_run", "run_facts"]
 
 BUILTIN_PROMPTS: dict[str, list[str]] = {
     "pairs": ["the cache holds every key", "kernels and caches", "the cache holds every key",
@@ -64,6 +64,16 @@ def _prompt_of(path: Path, number: int, line: str) -> str:
     return str(prompt)
 
 
+def run_facts(engine: str, model: str, prompts: list[str], *, batch_size: int,
+              max_new_tokens: int, dtype: str, device: str = "cpu", tp: int = 1
+              ) -> dict[str, Any]:
+    """``options.tap.run``: what a run of ``prompts`` was asked, kept in every tap file's
+    header so ``enginetap tap explain`` can run it again."""
+    return {"engine": engine, "model": model, "dtype": dtype, "device": device, "tp": tp,
+            "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+            "prompts": list(prompts)}
+
+
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
                dtype: str = "float32") -> list[list[int]]:
@@ -80,8 +90,10 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
     from enginetap.engines.hf import HFEngine, Request
     from enginetap.engines.hf.arming import disarm
 
+    tap = {"run": run_facts("builtin", model, prompts, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, dtype=dtype), **(tap or {})}
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
-                       options={"tap": tap or {}, "step": {"record": False}})
+                       options={"tap": tap, "step": {"record": False}})
     kwargs = {"dtype": getattr(torch, dtype), "prefix_cache_size": 0, "arm": config}
     try:
         engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
@@ -110,7 +122,9 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
         ConfigError: the model or the tap options are invalid, or vLLM is not installed.
     """
     model_dir = _model_dir(model)
-    _arm_vllm_processes(out, tap or {}, tp)
+    tap = {"run": run_facts("vllm", model, prompts, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, dtype="model", tp=tp), **(tap or {})}
+    _arm_vllm_processes(out, tap, tp)
     try:
         from vllm import LLM, SamplingParams
     except ImportError:

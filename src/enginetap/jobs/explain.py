@@ -1,0 +1,156 @@
+"""``enginetap tap explain``: from a tap finding to the kind of bug behind it.
+
+1. The finding (:func:`enginetap.tap.culprit.find_culprit`) names a checkpoint, a step and
+   two sides (two requests of one run, or one request in two runs).
+2. Each run is recorded again on the built-in engine from its header's ``options.run``
+   (same prompts, batch size, dtype, tap options), with a :class:`~enginetap.jobs.
+   explain_calls.Catcher` keeping every probed call inside the culprit module at that
+   step: the finest op the capture probes describe (attention kernel, norm, experts,
+   gated delta rule...), the whole batch's tensors.
+3. The op (the first caught call whose two sides' outputs differ) is called again through
+   the engine's own function: each side's request alone (batch 1), at every position of a
+   batch of the original size (its own included), the original batch twice; and each
+   workload goes through the definition's reference.
+4. The verdict (:mod:`enginetap.jobs.explain_verdict`) and REPRO, a FlashInfer-Trace
+   dataset of the definition and those workloads (``enginetap replay REPRO``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from enginetap.errors import ConfigError
+from enginetap.tap.culprit import Culprit, Side
+
+__all__ = ["ExplainResult", "explain"]
+
+
+@dataclass
+class ExplainResult:
+    culprit: Culprit
+    op: str
+    definition: str
+    verdict: str
+    evidence: list[str] = field(default_factory=list)
+    repro: Path | None = None
+    workloads: int = 0
+    kind: str = ""
+    """``upstream``, ``batch-variant``, ``nondeterministic``, ``wrong-row`` or ``none``."""
+    records: list[Any] = field(default_factory=list, repr=False)
+    """The calls made again (:class:`~enginetap.jobs.explain_verdict.Config`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"finding": self.culprit.describe(), "op": self.op, "definition": self.definition,
+                "kind": self.kind, "verdict": self.verdict, "evidence": self.evidence,
+                "repro": str(self.repro) if self.repro else None, "workloads": self.workloads}
+
+
+def explain(culprit: Culprit, out: Path, *, device: str | None = None) -> ExplainResult:
+    """Re-run the finding's runs, replay the culprit op, write REPRO to ``out``.
+
+    Raises:
+        ConfigError: a run is not of the built-in engine, ``out`` is not a new directory,
+            or no capture probe covers the culprit checkpoint's module on this model.
+    """
+    from enginetap.jobs.explain_verdict import judge, write_repro
+
+    _check_out(out)
+    for side in culprit.sides:
+        if side.facts.get("engine") != "builtin":
+            raise ConfigError(f"cannot explain a run of engine {side.facts.get('engine')!r}",
+                              "tap explain re-runs the built-in engine only",
+                              "record the run with `enginetap tap run --engine builtin`")
+    caught = _rerun_all(culprit, out, device)
+    pick = _pick_op(culprit, caught)
+    result = judge(culprit, caught[0][pick[0]], caught[1][pick[1]])
+    result.repro, result.workloads = write_repro(out, culprit, result, caught[0][pick[0]],
+                                                 caught[1][pick[1]])
+    return result
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"cannot write REPRO to {out}", "it exists and is not an empty "
+                          "directory", "pass a new directory as --out")
+
+
+def _rerun_all(culprit: Culprit, out: Path, device: str | None) -> tuple[list, list]:
+    a, b = culprit.sides
+    first = _rerun(a, culprit, out / "enginetap" / "rerun-a", device)
+    if a.run == b.run and a.step == b.step:
+        return first, first
+    return first, _rerun(b, culprit, out / "enginetap" / "rerun-b", device)
+
+
+def _rerun(side: Side, culprit: Culprit, tap_dir: Path, device: str | None) -> list:
+    """Record ``side``'s run again; returns the probed calls caught in the culprit module."""
+    import torch
+
+    from enginetap.config import ArmConfig
+    from enginetap.core.jsonl import close_all
+    from enginetap.engines.hf import HFEngine, Request
+    from enginetap.engines.hf.arming import disarm
+    from enginetap.jobs.explain_calls import Catcher
+
+    facts = side.facts
+    tap = dict(side.tap)
+    config = ArmConfig(enabled=True, capabilities=["scope", "tap"], out_dir=tap_dir,
+                       options={"tap": {**tap, "run": facts}, "step": {"record": False}})
+    model = str(facts["model"])
+    kwargs = {"dtype": getattr(torch, str(facts.get("dtype") or "float32")),
+              "device": device or str(facts.get("device") or "cpu"),
+              "prefix_cache_size": 0, "arm": config}
+    catcher: Catcher | None = None
+    try:
+        engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
+                  if model.startswith("builtin:") else HFEngine(model, **kwargs))
+        assert engine.arming is not None
+        catcher = Catcher(engine.arming.context.hooks.capture_probes(), side.step,
+                          culprit.module)
+        catcher.patches.install()
+        catcher.add_model(engine.model)
+        prompts, size = list(facts["prompts"]), int(facts.get("batch_size") or 8)
+        for start in range(0, len(prompts), size):
+            engine.generate([Request(request_id=f"p{start + i}", prompt=p,
+                                     max_new_tokens=int(facts.get("max_new_tokens") or 8))
+                             for i, p in enumerate(prompts[start:start + size])])
+    finally:
+        if catcher is not None:
+            catcher.uninstall()
+        disarm()
+        close_all()
+    if not catcher.caught:
+        declined = f" (declined: {', '.join(catcher.declined)})" if catcher.declined else ""
+        raise ConfigError(f"no capture probe covers {culprit.checkpoint} on {model}",
+                          f"no probed op ran inside {culprit.module} at step {side.step}"
+                          f"{declined}", "explain a finding at a checkpoint whose module has "
+                          "a probe (attention, norms, MoE, gated delta rule): `enginetap "
+                          "capture` lists what is probed")
+    return catcher.caught
+
+
+def _pick_op(culprit: Culprit, caught: tuple[list, list]) -> tuple[int, int]:
+    """The first caught call (in execution order) whose two sides differ in output."""
+    from enginetap.jobs.explain_verdict import side_output
+
+    from enginetap.jobs.explain_calls import common_rows
+
+    a, b = culprit.sides
+    pairs = list(zip(range(len(caught[0])), range(len(caught[1]))))
+    for i, j in pairs:
+        if caught[0][i].definition.name != caught[1][j].definition.name:
+            continue
+        limit = common_rows(caught[0][i].step, a.key, caught[1][j].step, b.key)
+        out_a = side_output(caught[0][i], a.key, limit)
+        out_b = side_output(caught[1][j], b.key, limit)
+        if any(not _same(out_a[k], out_b.get(k)) for k in out_a):
+            return i, j
+    return pairs[0] if pairs else (0, 0)
+
+
+def _same(x: Any, y: Any) -> bool:
+    import torch
+
+    return y is not None and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)

@@ -1,0 +1,294 @@
+"""The culprit op's calls, caught during a re-run and called again in other batches.
+
+:class:`Catcher` wraps every capture probe's target of the engine (outermost, after the
+engine armed: what it sees is what the engine's own wrappers and patches produce) and, at
+one step, keeps each call made inside one module: the bound arguments (cloned before the
+call), the engine's function below the wrapper, the step's row metadata, and the call in
+its definition's canonical layout (the probe's own ``define``/``adapt``, as capture does).
+
+:func:`call_again` runs a kept call's function on a batch made of some of its batch rows
+(one row alone, one row at every position, the whole batch again) and turns that call
+into the definition's layout through the same probe, with a step whose row metadata is
+the selected rows'. A row's canonical slice (:class:`Layout`) is its token rows for
+token-shaped tensors, its request's entry for per-request ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from enginetap.capture.probe import Extracted, Probe, ProbeCall
+from enginetap.core.context import Step, StepRows, current_step
+from enginetap.core.patching import PatchSet, bind_arguments
+from enginetap.core.scope import (SCOPE, SublayerSpec, _enter_module, current_module,
+                                  current_names, sublayer_classes)
+from enginetap.dataset.schema import Definition
+
+__all__ = ["Caught", "Catcher", "Layout", "call_again", "common_rows", "request_inputs"]
+
+
+@dataclass
+class Caught:
+    """One probed call made inside the culprit module at the culprit step."""
+
+    probe: Probe
+    definition: Definition
+    function: Any
+    """The engine's function below our wrapper (a bound method for module targets)."""
+    instance: Any
+    scope_module: Any
+    """The sublayer running the call (kernel-level targets read it in ``define``)."""
+    args: dict[str, Any]
+    """Bound arguments, cloned before the call."""
+    step: Step
+    layer: tuple[str, str] | None
+    module: str
+    extracted: Extracted
+    """The call in canonical layout, on the host."""
+    target: str
+    """The engine's function, ``module:Qualname``."""
+
+
+class Catcher:
+    """Keeps the probed calls made inside ``module`` (a scope short name) at ``step``."""
+
+    def __init__(self, probes: list[Probe], step: int, module: str) -> None:
+        self.probes, self.step, self.module = probes, step, module
+        self.caught: list[Caught] = []
+        self.declined: list[str] = []
+        self.patches = PatchSet("explain")
+
+    def add_model(self, model: Any) -> None:
+        targets = []
+        for probe in self.probes:
+            for target in self._targets(probe, model):
+                targets.append((target, self._wrapper(probe, target)))
+        self.patches.install_more(targets)
+
+    def uninstall(self) -> None:
+        self.patches.uninstall()
+
+    @staticmethod
+    def _targets(probe: Probe, model: Any) -> list[str]:
+        if probe.target:
+            return [probe.target]
+        classes = sublayer_classes(model, SublayerSpec(suffixes=(probe.suffix,)))
+        return [f"{c.__module__}:{c.__qualname__}.{probe.method}" for c in classes]
+
+    def _inside(self, instance: Any, probe: Probe) -> str | None:
+        """The short name of the module the call belongs to, when it is the culprit's."""
+        running = current_module()
+        if probe.inside and (running is None
+                             or not type(running).__name__.endswith(probe.inside)):
+            return None
+        own = SCOPE.short(instance) if instance is not None else None
+        names = current_names()
+        name = own or (names[1] if names else None)
+        if name is None or not (name == self.module or name.startswith(self.module + ".")):
+            return None
+        return name
+
+    def _wrapper(self, probe: Probe, target: str):
+        def catch(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            step = current_step()
+            if step is None or step.step != self.step or not probe.fires_in(step):
+                return wrapped(*args, **kwargs)
+            name = self._inside(instance, probe)
+            if name is None:
+                return wrapped(*args, **kwargs)
+            bound = bind_arguments(probe.signature or wrapped, args, kwargs)
+            call = ProbeCall(probe, instance, bound, step, current_names())
+            call.definition = probe.define(call)
+            if call.definition is None:
+                self.declined.append(f"{probe.name} in {name}")
+                return wrapped(*args, **kwargs)
+            kept = _cloned(bound)
+            if probe.before is not None:
+                call.before = probe.before(call)
+            call.result = wrapped(*args, **kwargs)
+            extracted = _checked(probe.adapt(call), probe)
+            self.caught.append(Caught(probe, call.definition, wrapped, instance,
+                                      current_module(), kept, step, call.layer, name,
+                                      _to_host(extracted), target))
+            return call.result
+
+        return catch
+
+
+def _cloned(bound: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
+
+
+def _to_host(extracted: Extracted) -> Extracted:
+    def host(v: Any) -> Any:
+        return v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
+
+    return Extracted({k: host(v) for k, v in extracted.inputs.items()},
+                     {k: host(v) for k, v in extracted.outputs.items()}, list(extracted.notes))
+
+
+def _checked(extracted: Extracted | None, probe: Probe) -> Extracted:
+    if extracted is None:
+        raise ValueError(f"probe {probe.name} declined the call")
+    for flag, what in extracted.checks:
+        if not bool(flag.all()):
+            raise ValueError(f"probe {probe.name}: {what}")
+    return extracted
+
+
+# ---------------------------------------------------------------------- layout
+@dataclass
+class Layout:
+    """Which step rows each batch row of a padded call holds, in step order."""
+
+    batch_rows: list[int]
+    rows: list[list[int]]
+    columns: list[list[int]]
+    keys: list[str]
+    width: int
+    """Columns of the padded batch."""
+
+    @classmethod
+    def of(cls, step: Step) -> Layout:
+        shape = step.extra.get("input_shape")
+        width = int(shape[1]) if shape else 1
+        index = step.rows.token_index or list(range(len(step.rows)))
+        order: dict[int, int] = {}
+        layout = cls([], [], [], [], width)
+        for row, flat in enumerate(index):
+            b, column = divmod(flat, width)
+            if b not in order:
+                order[b] = len(layout.batch_rows)
+                layout.batch_rows.append(b)
+                layout.rows.append([])
+                layout.columns.append([])
+                layout.keys.append(step.rows.keys[row])
+            layout.rows[order[b]].append(row)
+            layout.columns[order[b]].append(column)
+        return layout
+
+    def request(self, key: str) -> int:
+        """The index (in step order) of ``key``'s batch row."""
+        return self.keys.index(key)
+
+    def slice(self, tensor: Any, j: int, limit: int | None = None) -> torch.Tensor | None:
+        """Request ``j``'s part of a canonical tensor: its token rows (the first ``limit``
+        of them), or its entry of a per-request tensor; None for tensors shared by the
+        batch."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return None
+        n_rows = sum(len(r) for r in self.rows)
+        if tensor.shape[0] == n_rows and n_rows != len(self.rows):
+            return tensor[self.rows[j][:limit]]
+        if tensor.shape[0] == len(self.rows):
+            return tensor[j:j + 1]
+        return None
+
+
+def common_rows(a: Step, key_a: str, b: Step, key_b: str) -> int:
+    """How many leading token rows (in position order) two requests share: same
+    positions and token ids (a pair's same-prefix rows; all of one request in two runs)."""
+    rows_a = sorted((a.rows.positions[r], a.rows.token_ids[r]) for r in a.rows.rows_of_key(key_a))
+    rows_b = sorted((b.rows.positions[r], b.rows.token_ids[r]) for r in b.rows.rows_of_key(key_b))
+    n = 0
+    while n < min(len(rows_a), len(rows_b)) and rows_a[n] == rows_b[n]:
+        n += 1
+    return n
+
+
+def request_inputs(inputs: dict[str, Any], layout: Layout, j: int,
+                   limit: int | None = None) -> dict[str, torch.Tensor]:
+    """Request ``j``'s part of every canonical input that has one: row- or
+    request-shaped tensors (the first ``limit`` token rows), segments of an ``*_indptr``,
+    a paged cache's pages. Page numbers and pointers are layout, not data: left out."""
+    n = len(layout.rows)
+    ptrs = {name: v for name, v in inputs.items() if name.endswith("_indptr")
+            and isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n + 1}
+    out: dict[str, torch.Tensor] = {}
+    for name, v in inputs.items():
+        if not isinstance(v, torch.Tensor) or name.endswith(("_indptr", "indices")):
+            continue
+        if v.dim() < 2 and v.is_floating_point():
+            continue  # per-head constants (A_log, dt_bias), weights
+        part = _segment(v, ptrs, j, limit)
+        if part is None and name.endswith("_cache") and "kv_indices" in inputs \
+                and "kv_indptr" in ptrs:
+            p = ptrs["kv_indptr"]
+            part = v[inputs["kv_indices"][int(p[j]):int(p[j + 1])].long()]
+        if part is None:
+            part = layout.slice(v, j, limit)
+        if part is not None:
+            out[name] = part
+    return out
+
+
+def _segment(v: torch.Tensor, ptrs: dict[str, torch.Tensor], j: int,
+             limit: int | None) -> torch.Tensor | None:
+    for p in ptrs.values():
+        if v.shape[0] == int(p[-1]) and v.dim() >= 2:
+            end = int(p[j + 1]) if limit is None else min(int(p[j + 1]), int(p[j]) + limit)
+            return v[int(p[j]):end]
+    return None
+
+
+# ---------------------------------------------------------------------- calling again
+def _sub_rows(step: Step, layout: Layout, picks: list[int]) -> StepRows:
+    """Row metadata of a batch made of ``picks`` (request indices, repeats allowed)."""
+    order = [row for j in picks for row in layout.rows[j]]
+    values: dict[str, Any] = {}
+    for f in fields(StepRows):
+        value = getattr(step.rows, f.name)
+        if isinstance(value, list):
+            values[f.name] = [value[r] for r in order]
+        elif isinstance(value, dict):
+            values[f.name] = {g: [v[r] for r in order] for g, v in value.items()}
+        else:
+            values[f.name] = value
+    values["token_index"] = [b * layout.width + c for b, j in enumerate(picks)
+                             for c in layout.columns[j]]
+    starts, at = [], 0
+    for j in picks:
+        starts += [at] * len(layout.rows[j])
+        at += len(layout.rows[j])
+    values["query_start"] = starts
+    values["request_ids"] = [f"{rid}#{b}" for b, j in enumerate(picks)
+                             for rid in [step.rows.request_ids[r] for r in layout.rows[j]]]
+    return StepRows(**values)
+
+
+def call_again(caught: Caught, picks: list[int]) -> Extracted:
+    """Run the engine's function on a batch of the caught call's requests ``picks``
+    (indices in step order; repeats allowed) and return that call in canonical layout."""
+    layout = Layout.of(caught.step)
+    batch = int(caught.step.extra.get("input_shape", [len(layout.rows)])[0])
+    index = [layout.batch_rows[j] for j in picks]
+    args = {k: _pick(v, batch, index) for k, v in caught.args.items()}
+    shape = list(caught.step.extra.get("input_shape") or [batch, 1])
+    step = replace(caught.step, rows=_sub_rows(caught.step, layout, picks),
+                   padded_tokens=len(picks) * layout.width,
+                   extra={**caught.step.extra, "input_shape": [len(picks), *shape[1:]]},
+                   _device={}, _memo={})
+
+    def run() -> Extracted:
+        call = ProbeCall(caught.probe, caught.instance, args, step, caught.layer)
+        call.definition = caught.probe.define(call)
+        if caught.probe.before is not None:
+            call.before = caught.probe.before(call)
+        with torch.inference_mode():
+            call.result = caught.function(**args)
+        return _to_host(_checked(caught.probe.adapt(call), caught.probe))
+
+    if caught.scope_module is None:
+        return run()
+    return _enter_module(lambda: run(), caught.scope_module, (), {})
+
+
+def _pick(value: Any, batch: int, index: list[int]) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() and value.shape[0] == batch:
+        return value.index_select(0, torch.tensor(index, device=value.device))
+    return value.clone()
