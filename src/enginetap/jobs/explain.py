@@ -17,6 +17,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,37 +88,40 @@ def _rerun_all(culprit: Culprit, out: Path, device: str | None) -> tuple[list, l
 
 
 def _rerun(side: Side, culprit: Culprit, tap_dir: Path, device: str | None) -> list:
-    """Record ``side``'s run again; returns the probed calls caught in the culprit module."""
+    """Record ``side``'s run again; returns the probed calls caught in the culprit module.
+
+    Raises:
+        ConfigError: no probe covers the culprit's module (checked before generating).
+    """
     import torch
 
     from enginetap.config import ArmConfig
     from enginetap.core.jsonl import close_all
-    from enginetap.engines.hf import HFEngine, Request
+    from enginetap.engines.hf import HFEngine
     from enginetap.engines.hf.arming import disarm
     from enginetap.jobs.explain_calls import Catcher
 
     facts = side.facts
-    tap = dict(side.tap)
-    config = ArmConfig(enabled=True, capabilities=["scope", "tap"], out_dir=tap_dir,
-                       options={"tap": {**tap, "run": facts}, "step": {"record": False}})
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=tap_dir,
+                       options={"tap": {**side.tap, "run": facts}, "step": {"record": False}})
     model = str(facts["model"])
     kwargs = {"dtype": getattr(torch, str(facts.get("dtype") or "float32")),
               "device": device or str(facts.get("device") or "cpu"),
               "prefix_cache_size": 0, "arm": config}
     catcher: Catcher | None = None
     try:
-        engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
-                  if model.startswith("builtin:") else HFEngine(model, **kwargs))
+        with _quiet():
+            engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
+                      if model.startswith("builtin:") else HFEngine(model, **kwargs))
         assert engine.arming is not None
-        catcher = Catcher(engine.arming.context.hooks.capture_probes(), side.step,
-                          culprit.module)
+        hooks = engine.arming.context.hooks
+        catcher = Catcher(hooks.capture_probes(), side.step, culprit.module)
+        if not catcher.covers(engine.model):
+            raise _uncovered(culprit, model, f"no probed class or kernel runs inside "
+                                             f"{culprit.module}")
         catcher.patches.install()
-        catcher.add_model(engine.model)
-        prompts, size = list(facts["prompts"]), int(facts.get("batch_size") or 8)
-        for start in range(0, len(prompts), size):
-            engine.generate([Request(request_id=f"p{start + i}", prompt=p,
-                                     max_new_tokens=int(facts.get("max_new_tokens") or 8))
-                             for i, p in enumerate(prompts[start:start + size])])
+        catcher.add_model(engine.model, hooks.sublayer_targets(engine.model))
+        _generate(engine, facts)
     finally:
         if catcher is not None:
             catcher.uninstall()
@@ -123,12 +129,44 @@ def _rerun(side: Side, culprit: Culprit, tap_dir: Path, device: str | None) -> l
         close_all()
     if not catcher.caught:
         declined = f" (declined: {', '.join(catcher.declined)})" if catcher.declined else ""
-        raise ConfigError(f"no capture probe covers {culprit.checkpoint} on {model}",
-                          f"no probed op ran inside {culprit.module} at step {side.step}"
-                          f"{declined}", "explain a finding at a checkpoint whose module has "
-                          "a probe (attention, norms, MoE, gated delta rule): `enginetap "
-                          "capture` lists what is probed")
+        raise _uncovered(culprit, model, f"no probed op ran inside {culprit.module} at step "
+                                         f"{side.step}{declined}")
     return catcher.caught
+
+
+def _uncovered(culprit: Culprit, model: str, why: str) -> ConfigError:
+    return ConfigError(f"no capture probe covers {culprit.checkpoint} on {model}", why,
+                       "explain a finding at a checkpoint whose module has a probe (attention, "
+                       "norms, MoE, gated delta rule; docs/capture.md lists them), or record "
+                       "with `--depth sublayers` to name a finer checkpoint")
+
+
+def _generate(engine: Any, facts: dict[str, Any]) -> None:
+    """The run's prompts in its batches, request ids ``p<index>`` (as ``tap run``)."""
+    from enginetap.engines.hf import Request
+
+    prompts, size = list(facts["prompts"]), int(facts.get("batch_size") or 8)
+    new = int(facts.get("max_new_tokens") or 8)
+    for start in range(0, len(prompts), size):
+        engine.generate([Request(request_id=f"p{start + i}", prompt=p, max_new_tokens=new)
+                         for i, p in enumerate(prompts[start:start + size])])
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No arming notice or weight-loading bar: the command's output is its result."""
+    from transformers.utils import logging as hf_logging
+
+    logger = logging.getLogger("enginetap")
+    level, bars = logger.level, hf_logging.is_progress_bar_enabled()
+    logger.setLevel(logging.WARNING)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _pick_op(culprit: Culprit, caught: tuple[list, list]) -> tuple[int, int]:

@@ -61,8 +61,11 @@ class Catcher:
         self.declined: list[str] = []
         self.patches = PatchSet("explain")
 
-    def add_model(self, model: Any) -> None:
-        targets = []
+    def add_model(self, model: Any, sublayers: list[str]) -> None:
+        """Wrap every probe's targets in ``model``, and its ``sublayers`` (targets) with
+        the scope's running-module wrapper: armed with the tap only, the scope names
+        modules but does not track the running one, which kernel-level probes read."""
+        targets: list[tuple[str, Any]] = [(t, _enter_module) for t in sublayers]
         for probe in self.probes:
             for target in self._targets(probe, model):
                 targets.append((target, self._wrapper(probe, target)))
@@ -70,6 +73,16 @@ class Catcher:
 
     def uninstall(self) -> None:
         self.patches.uninstall()
+
+    def covers(self, model: Any) -> bool:
+        """Whether some probe can fire inside the culprit module of ``model``: a probed
+        class there (norms, experts), or a kernel probed inside a class there."""
+        own = {id(m) for m in model.modules()}
+        classes = [type(m).__name__ for m, _, short in SCOPE.items()
+                   if (short == self.module or short.startswith(self.module + "."))
+                   and id(m) in own]
+        return any(any(c.endswith(p.suffix or p.inside) for c in classes)
+                   if (p.suffix or p.inside) else bool(classes) for p in self.probes)
 
     @staticmethod
     def _targets(probe: Probe, model: Any) -> list[str]:

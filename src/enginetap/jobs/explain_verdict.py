@@ -99,6 +99,9 @@ def judge(culprit: Culprit, ca: Caught, cb: Caught) -> ExplainResult:
     calls = (ca, cb) if ca is not cb else (ca,)
     configs = _configs(calls, layouts, js if ca is not cb else (js[0], js[1]))
     result.records = configs
+    result.evidence += [f"{side.key}: batch row {layout.batch_rows[j]} of "
+                        f"{len(layout.rows)} at step {side.step}, {limit} row(s) shared"
+                        for side, layout, j in zip(culprit.sides, layouts, js)]
     result.evidence += _reference_evidence(culprit, (ca, cb), limit)
     upstream = _upstream(culprit, (ca, cb), layouts, js, limit)
     if upstream is not None:
@@ -189,9 +192,9 @@ def _nondeterministic(culprit: Culprit, calls: tuple[Caught, Caught], configs: l
                 return "nondeterministic", (
                     f"same inputs, same position, output differs run to run -> "
                     f"{caught.target} ({calls[0].definition.name} in {caught.module}) is "
-                    f"nondeterministic: two calls on the same {first} batch "
-                    f"({len(x.picks)} request(s), input {_shape(caught)}) differ by max abs "
-                    f"{d:.3g}")
+                    f"nondeterministic: two calls on the same batch of {len(x.picks)} "
+                    f"request(s) ({first}; the original call's input {_shape(caught)}) "
+                    f"differ by max abs {d:.3g}")
     return None
 
 
