@@ -112,6 +112,47 @@ def test_a_batch_position_dependent_norm_is_batch_variant(tmp_path: Path, plant:
     assert {status[line.workload.uuid] for line in lines["recorded"]} == {"FAIL"}
 
 
+def decode_by_batch_row(wrapped, instance, args, kwargs):
+    out = wrapped(*args, **kwargs)
+    if out.shape[2] == 1 and out.shape[0] > 1:  # decode steps only: [B, heads, 1, dim]
+        out = out + 0.01 * torch.arange(out.shape[0], dtype=out.dtype)[:, None, None, None]
+    return out
+
+
+def test_a_batch_position_dependent_decode_attention_is_batch_variant(
+        tmp_path: Path, plant: Any, capsys: Any) -> None:
+    plant(SDPA, decode_by_batch_row)
+    record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=3,
+               dtype="bfloat16")
+    code, out, err = explain(capsys, str(tmp_path / "run"), "--request", "p1", "--out",
+                             str(tmp_path / "repro"), "--solution", "torch:sdpa",
+                             "--solution", "torch:flex", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["kind"] == "batch-variant", result
+    assert result["definition"].startswith("gqa_paged_decode") and "L0.attn" in result["op"]
+    assert "scaled_dot_product_attention" in result["verdict"]
+    assert result["finding"].startswith("pair p0/p1 at step 1")  # the first decode step
+    sdpa, flex = result["candidates"]
+    # torch:sdpa attends request by request: the same bytes give the same bytes anywhere
+    assert sdpa.startswith("torch:sdpa: batch-invariant on these bytes (alone = every one "
+                           "of 3 positions, bit for bit); deterministic"), sdpa
+    assert flex.startswith("torch:flex: "), flex
+    status = engine_status(tmp_path / "repro")
+    lines = configs(tmp_path / "repro")
+    assert {status[line.workload.uuid] for line in lines["alone"]} == {"PASS"}
+    assert {status[line.workload.uuid] for line in lines["copies"]} == {"FAIL"}
+
+
+def test_an_unknown_solution_is_one_line(tmp_path: Path, plant: Any, capsys: Any) -> None:
+    plant(NORM, by_batch_row)
+    record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=2)
+    code, _, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"),
+                           "--solution", "torch:nope")
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "unknown built-in solution(s) torch:nope" in err
+
+
 def test_run_to_run_noise_in_attention_is_nondeterministic(tmp_path: Path, plant: Any,
                                                            capsys: Any) -> None:
     plant(SDPA, noisy)

@@ -139,6 +139,9 @@ def explain(
                        "between the two runs.")] = None,
     device: Annotated[str | None, typer.Option(
         help="Where the built-in engine re-runs (cpu, cuda; default: the run's).")] = None,
+    solution: Annotated[list[str] | None, typer.Option(
+        help="A built-in solution (torch:sdpa, torch:flex...) to check for batch "
+             "invariance on the same bytes; repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Re-run a finding's prompts, catch the culprit op's calls, replay them alone, at
@@ -156,7 +159,7 @@ def explain(
     keys = tuple(pair.split("/")) if pair is not None else None
     culprit = find_culprit(load_run(run_dir), pair=keys, request=request,  # type: ignore[arg-type]
                            other=load_run(diff_run) if diff_run is not None else None)
-    result = run_explain(culprit, out, device=device)
+    result = run_explain(culprit, out, device=device, solutions=list(solution or []))
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
         return
@@ -165,5 +168,7 @@ def explain(
     typer.echo(f"verdict: {result.verdict}")
     for line in result.evidence:
         typer.echo(f"  {line}")
+    for line in result.candidates:
+        typer.echo(f"solution {line}")
     typer.echo(f"REPRO: {result.workloads} workload(s) of {result.definition} in {out} "
                f"(enginetap replay {out} --solution ...)")

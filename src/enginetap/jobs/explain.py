@@ -43,23 +43,31 @@ class ExplainResult:
     """``upstream``, ``batch-variant``, ``nondeterministic``, ``wrong-row`` or ``none``."""
     records: list[Any] = field(default_factory=list, repr=False)
     """The calls made again (:class:`~enginetap.jobs.explain_verdict.Config`)."""
+    candidates: list[str] = field(default_factory=list)
+    """What each ``--solution`` did on the calls made again."""
 
     def to_json(self) -> dict[str, Any]:
         return {"finding": self.culprit.describe(), "op": self.op, "definition": self.definition,
                 "kind": self.kind, "verdict": self.verdict, "evidence": self.evidence,
-                "repro": str(self.repro) if self.repro else None, "workloads": self.workloads}
+                "repro": str(self.repro) if self.repro else None, "workloads": self.workloads,
+                "candidates": self.candidates}
 
 
-def explain(culprit: Culprit, out: Path, *, device: str | None = None) -> ExplainResult:
-    """Re-run the finding's runs, replay the culprit op, write REPRO to ``out``.
+def explain(culprit: Culprit, out: Path, *, device: str | None = None,
+            solutions: list[str] | None = None) -> ExplainResult:
+    """Re-run the finding's runs, replay the culprit op, write REPRO to ``out``; each
+    built-in of ``solutions`` is checked for batch invariance on the same bytes.
 
     Raises:
         ConfigError: a run is not of the built-in engine, ``out`` is not a new directory,
-            or no capture probe covers the culprit checkpoint's module on this model.
+            an unknown solution, or no capture probe covers the culprit checkpoint's
+            module on this model.
     """
+    from enginetap.jobs.explain_candidates import check_candidates, check_names
     from enginetap.jobs.explain_verdict import judge, write_repro
 
     _check_out(out)
+    check_names(solutions or [])
     for side in culprit.sides:
         if side.facts.get("engine") != "builtin":
             raise ConfigError(f"cannot explain a run of engine {side.facts.get('engine')!r}",
@@ -70,6 +78,10 @@ def explain(culprit: Culprit, out: Path, *, device: str | None = None) -> Explai
     result = judge(culprit, caught[0][pick[0]], caught[1][pick[1]])
     result.repro, result.workloads = write_repro(out, culprit, result, caught[0][pick[0]],
                                                  caught[1][pick[1]])
+    if solutions:
+        where = device or str(culprit.sides[0].facts.get("device") or "cpu")
+        result.candidates = check_candidates(solutions, result.records,
+                                             caught[0][pick[0]].definition, where)
     return result
 
 
