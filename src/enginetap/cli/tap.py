@@ -156,8 +156,8 @@ def explain(
     if pair is not None and diff_run is not None:
         raise ConfigError("--pair and --diff together", "a pair is two requests of one run, "
                           "a diff one request in two runs", "pass one of them")
-    keys = tuple(pair.split("/")) if pair is not None else None
-    culprit = find_culprit(load_run(run_dir), pair=keys, request=request,  # type: ignore[arg-type]
+    keys = (pair.split("/")[0], pair.split("/")[1]) if pair is not None else None
+    culprit = find_culprit(load_run(run_dir), pair=keys, request=request,
                            other=load_run(diff_run) if diff_run is not None else None)
     result = run_explain(culprit, out, device=device, solutions=list(solution or []))
     if as_json:

@@ -97,7 +97,7 @@ def judge(culprit: Culprit, ca: Caught, cb: Caught) -> ExplainResult:
     op = f"{ca.definition.name} ({ca.probe.name}: {ca.target}) in {ca.module}"
     result = ExplainResult(culprit, op, ca.definition.name, "")
     calls = (ca, cb) if ca is not cb else (ca,)
-    configs = _configs(calls, layouts, js if ca is not cb else (js[0], js[1]))
+    configs = _configs(calls, layouts, js)
     result.records = configs
     result.evidence += [f"{side.key}: batch row {layout.batch_rows[j]} of "
                         f"{len(layout.rows)} at step {side.step}, {limit} row(s) shared"

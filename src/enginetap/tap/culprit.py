@@ -107,10 +107,12 @@ def find_culprit(run: TapRun, *, pair: tuple[str, str] | None = None,
     # the earliest split; among those, the pair sharing the most rows (identical prompts
     # before prompts that only share a first token)
     found = min(pairs, key=lambda p: (p.first_step, -p.rows_compared, p.keys))
-    assert found.first_step is not None and found.checkpoint is not None
-    sides = tuple(Side(run.root, facts, tap_options(run), found.first_step, k)
-                  for k in found.keys)
-    return Culprit(found.checkpoint, found.agreeing_input, sides, found.position)  # type: ignore[arg-type]
+    step, checkpoint = found.first_step, found.checkpoint
+    assert step is not None and checkpoint is not None  # a split pair has both
+    tap = tap_options(run)
+    sides = (Side(run.root, facts, tap, step, found.keys[0]),
+             Side(run.root, facts, tap, step, found.keys[1]))
+    return Culprit(checkpoint, found.agreeing_input, sides, found.position)
 
 
 def _diff_culprit(run: TapRun, facts: dict[str, Any], other: TapRun,
