@@ -105,6 +105,7 @@ def test_a_batch_position_dependent_norm_is_batch_variant(tmp_path: Path, plant:
     assert "LlamaRMSNorm.forward" in result["verdict"] and "L0.in_norm" in result["verdict"]
     assert "positions 1, 2 of a batch of 3 copies" in result["verdict"]
     assert "rmsnorm" in result["op"] and result["finding"].startswith("pair p0/p1 at step 0")
+    assert "the re-run split again at step 0 L0.in_norm.out" in result["evidence"]
     lines, status = configs(tmp_path / "repro"), engine_status(tmp_path / "repro")
     # alone, the engine's norm is the reference's; at batch rows 1 and 2 it is not
     assert {status[line.workload.uuid] for line in lines["alone"]} == {"PASS"}
@@ -142,6 +143,27 @@ def test_a_batch_position_dependent_decode_attention_is_batch_variant(
     lines = configs(tmp_path / "repro")
     assert {status[line.workload.uuid] for line in lines["alone"]} == {"PASS"}
     assert {status[line.workload.uuid] for line in lines["copies"]} == {"FAIL"}
+
+
+def test_a_difference_after_the_probed_kernel_is_placed_after_it(
+        tmp_path: Path, plant: Any, capsys: Any) -> None:
+    """The attention module's output depends on the batch row, its SDPA call does not:
+    the kernel's inputs and outputs agree, the re-run splits again, so the cause lies in
+    the module after the kernel, where no probe sees."""
+    def attention_by_batch_row(wrapped, instance, args, kwargs):
+        out, weights = wrapped(*args, **kwargs)
+        return by_batch_row(lambda: out, None, (), {}), weights
+
+    plant("transformers.models.llama.modeling_llama:LlamaAttention.forward",
+          attention_by_batch_row)
+    record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=2)
+    code, out, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"),
+                             "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["kind"] == "after-op", result
+    assert "inside L0.attn after the probed op" in result["verdict"]
+    assert "the re-run split again at step 0 L0.attn.out" in result["evidence"]
 
 
 def test_an_unknown_solution_is_one_line(tmp_path: Path, plant: Any, capsys: Any) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
-from enginetap.tap.culprit import Culprit, Side
+from enginetap.tap.culprit import Culprit, Side, recheck
 
 __all__ = ["ExplainResult", "explain"]
 
@@ -40,7 +40,9 @@ class ExplainResult:
     repro: Path | None = None
     workloads: int = 0
     kind: str = ""
-    """``upstream``, ``batch-variant``, ``nondeterministic``, ``wrong-row`` or ``none``."""
+    """``upstream``, ``batch-variant``, ``nondeterministic``, ``wrong-row``, ``after-op``
+    (the probed op agrees; an unprobed op after it in the module differs) or ``none``
+    (not reproduced)."""
     records: list[Any] = field(default_factory=list, repr=False)
     """The calls made again (:class:`~enginetap.jobs.explain_verdict.Config`)."""
     candidates: list[str] = field(default_factory=list)
@@ -75,7 +77,9 @@ def explain(culprit: Culprit, out: Path, *, device: str | None = None,
                               "record the run with `enginetap tap run --engine builtin`")
     caught = _rerun_all(culprit, out, device)
     pick = _pick_op(culprit, caught)
-    result = judge(culprit, caught[0][pick[0]], caught[1][pick[1]])
+    b_dir = out / "enginetap" / "rerun-b"
+    again = recheck(culprit, out / "enginetap" / "rerun-a", b_dir if b_dir.is_dir() else None)
+    result = judge(culprit, caught[0][pick[0]], caught[1][pick[1]], again)
     result.repro, result.workloads = write_repro(out, culprit, result, caught[0][pick[0]],
                                                  caught[1][pick[1]])
     if solutions:

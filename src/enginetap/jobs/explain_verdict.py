@@ -88,14 +88,18 @@ def _shape(caught: Caught) -> str:
 
 
 # ---------------------------------------------------------------------- judging
-def judge(culprit: Culprit, ca: Caught, cb: Caught) -> ExplainResult:
-    """The verdict on one op; ``result.records`` are REPRO's workloads."""
+def judge(culprit: Culprit, ca: Caught, cb: Caught,
+          again: tuple[bool, str] = (True, "")) -> ExplainResult:
+    """The verdict on one op; ``result.records`` are REPRO's workloads. ``again``: whether
+    the re-run split the same way, and how (:func:`~enginetap.tap.culprit.recheck`)."""
     a, b = culprit.sides
     limit = common_rows(ca.step, a.key, cb.step, b.key)
     layouts = (Layout.of(ca.step), Layout.of(cb.step))
     js = (layouts[0].request(a.key), layouts[1].request(b.key))
     op = f"{ca.definition.name} ({ca.probe.name}: {ca.target}) in {ca.module}"
     result = ExplainResult(culprit, op, ca.definition.name, "")
+    if again[1]:
+        result.evidence.append(again[1])
     calls = (ca, cb) if ca is not cb else (ca,)
     configs = _configs(calls, layouts, js)
     result.records = configs
@@ -112,7 +116,7 @@ def judge(culprit: Culprit, ca: Caught, cb: Caught) -> ExplainResult:
         if found is not None:
             result.kind, result.verdict = found
             return result
-    result.kind, result.verdict = _wrong_row(culprit, (ca, cb), limit)
+    result.kind, result.verdict = _wrong_row(culprit, (ca, cb), limit, again[0])
     return result
 
 
@@ -144,7 +148,9 @@ def _upstream(culprit: Culprit, calls: tuple[Caught, Caught], layouts: tuple[Lay
             where = [w for side in (0, 1) if (w := _read_from(culprit, calls, layouts, js,
                                                                side, name, limit))]
             detail = "; ".join(where) if where else (
-                "the bytes changed between the taps before it (a missed checkpoint)")
+                f"the bytes changed after the tap's last agreeing checkpoint "
+                f"({culprit.agreeing_input or 'before it'}), inside {calls[0].module} or "
+                "between the taps, in an op no probe covers (e.g. its input projections)")
             return (f"inputs differ -> upstream of {calls[0].definition.name} in "
                     f"{calls[0].module}: first differing input `{name}` "
                     f"(max abs {_max_abs(a_in[name], b_in[name]):.3g}); {detail}")
@@ -258,13 +264,20 @@ def _reference_evidence(culprit: Culprit, calls: tuple[Caught, Caught],
 
 
 def _wrong_row(culprit: Culprit, calls: tuple[Caught, Caught],
-               limit: int) -> tuple[str, str]:
+               limit: int, reproduced: bool) -> tuple[str, str]:
     a, b = culprit.sides
     d = _outputs_differ(side_output(calls[0], a.key, limit),
                         side_output(calls[1], b.key, limit))
+    op = f"{calls[0].definition.name} in {calls[0].module}"
+    if d is None and reproduced:
+        return "after-op", (f"same inputs, same outputs at {op}, yet the re-run split at "
+                            f"{culprit.checkpoint} again -> the difference arises inside "
+                            f"{culprit.module} after the probed op, in an op no probe covers "
+                            "(e.g. an output projection)")
     if d is None:
-        return "none", (f"same inputs, same outputs at {calls[0].definition.name} in "
-                        f"{calls[0].module} in the re-run: the split did not reproduce there")
+        return "none", (f"same inputs, same outputs at {op} in the re-run, which did not "
+                        "split the same way: the split did not reproduce (run it again, or "
+                        "diff the run against the re-run under REPRO/enginetap)")
     errors = _reference_errors(culprit, calls, limit)
     good, bad = (0, 1) if errors[0] <= errors[1] else (1, 0)
     keys = (a.key, b.key)

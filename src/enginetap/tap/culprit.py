@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import TapError, TapRun
+from enginetap.tap.files import TapError, TapRun, load_run
 from enginetap.tap.pairs import find_pairs
 
-__all__ = ["Culprit", "Side", "find_culprit", "module_of", "run_facts_of", "tap_options"]
+__all__ = ["Culprit", "Side", "find_culprit", "module_of", "recheck", "run_facts_of",
+           "tap_options"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,25 @@ def _diff_culprit(run: TapRun, facts: dict[str, Any], other: TapRun,
     sides = (Side(run.root, facts, tap_options(run), found.step_a, found.key),
              Side(other.root, other_facts, tap_options(other), found.step_b, found.key))
     return Culprit(found.checkpoint, None, sides, found.position)
+
+
+def recheck(culprit: Culprit, rerun_a: Path, rerun_b: Path | None = None) -> tuple[bool, str]:
+    """Whether the re-run(s) split the same way at the same step and checkpoint, and a line
+    saying what they did."""
+    a, b = culprit.sides
+    first = load_run(rerun_a)
+    if rerun_b is None:
+        keys = tuple(sorted((a.key, b.key)))
+        pair = next((p for p in find_pairs(first.rank(0)) if p.keys == keys), None)
+        if pair is None or not pair.split:
+            return False, f"the re-run did not split {a.key}/{b.key}"
+        found = (pair.first_step, pair.checkpoint)
+    else:
+        (diff, *_) = diff_runs(first, load_run(rerun_b))
+        divergence = diff.per_request.get(a.key)
+        if divergence is None:
+            return False, f"the re-runs did not diverge on {a.key}"
+        found = (divergence.step_a, divergence.checkpoint)
+    same = found == (a.step, culprit.checkpoint)
+    return same, (f"the re-run split again at step {found[0]} {found[1]}" + (
+        "" if same else f" (the finding: step {a.step} {culprit.checkpoint})"))
