@@ -113,6 +113,28 @@ def test_a_batch_position_dependent_norm_is_batch_variant(tmp_path: Path, plant:
     assert {status[line.workload.uuid] for line in lines["recorded"]} == {"FAIL"}
 
 
+def test_a_diff_of_batch_1_and_batch_3_names_the_batch_variant_norm(
+        tmp_path: Path, plant: Any, capsys: Any) -> None:
+    plant(NORM, by_batch_row)
+    for batch in (1, 3):
+        record_run("builtin:llama", SAME, tmp_path / f"b{batch}", batch_size=batch,
+                   max_new_tokens=2)
+    code, out, err = explain(capsys, str(tmp_path / "b1"), "--diff", str(tmp_path / "b3"),
+                             "--request", "p2", "--out", str(tmp_path / "repro"), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["kind"] == "batch-variant", result
+    assert "p2 in b3's inputs alone (batch 1) vs at positions 1, 2 of a batch of 3" \
+        in result["verdict"]
+    assert "p2 in b1: batch row 0 of 1 at step 4, 7 row(s) shared" in result["evidence"]
+    assert "p2 in b3: batch row 2 of 3 at step 0, 7 row(s) shared" in result["evidence"]
+    # both runs' calls are in REPRO: the batch-1 one is the reference's, the other is not
+    status = engine_status(tmp_path / "repro")
+    recorded = {line.enginetap.receipt.step: status[line.workload.uuid]
+                for line in configs(tmp_path / "repro")["recorded"]}
+    assert recorded == {4: "PASS", 0: "FAIL"}
+
+
 def decode_by_batch_row(wrapped, instance, args, kwargs):
     out = wrapped(*args, **kwargs)
     if out.shape[2] == 1 and out.shape[0] > 1:  # decode steps only: [B, heads, 1, dim]
@@ -222,7 +244,8 @@ def test_a_state_read_from_another_requests_slot_is_upstream(tmp_path: Path, pla
     assert result["kind"] == "upstream", result
     assert "gdn_decode" in result["op"] and "in L1.gdn" in result["op"]
     assert "first differing input `state`" in result["verdict"]
-    assert "p1's `state` is p2's (slot 2, not its own slot 1)" in result["verdict"]
+    assert result["verdict"].endswith(
+        "p1 in planted's `state` is p2's (slot 2, not its own slot 1)"), result["verdict"]
     assert f"request p1 at step {fault}" in result["finding"]
     lines = configs(tmp_path / "repro")
     dataset = Dataset(tmp_path / "repro")

@@ -103,9 +103,9 @@ def judge(culprit: Culprit, ca: Caught, cb: Caught,
     calls = (ca, cb) if ca is not cb else (ca,)
     configs = _configs(calls, layouts, js)
     result.records = configs
-    result.evidence += [f"{side.key}: batch row {layout.batch_rows[j]} of "
-                        f"{len(layout.rows)} at step {side.step}, {limit} row(s) shared"
-                        for side, layout, j in zip(culprit.sides, layouts, js)]
+    result.evidence += [f"{culprit.label(i)}: batch row {layouts[i].batch_rows[js[i]]} of "
+                        f"{len(layouts[i].rows)} at step {culprit.sides[i].step}, {limit} "
+                        "row(s) shared" for i in (0, 1)]
     result.evidence += _reference_evidence(culprit, (ca, cb), limit)
     upstream = _upstream(culprit, (ca, cb), layouts, js, limit)
     if upstream is not None:
@@ -163,14 +163,25 @@ def _read_from(culprit: Culprit, calls: tuple[Caught, Caught], layouts: tuple[La
     layout, caught, j = layouts[side], calls[side], js[side]
     own = request_inputs(caught.extracted.inputs, layout, j, limit)[name]
     skip = {js[0], js[1]} if calls[0] is calls[1] else {j}
+    # a request of the same prompt holds the same state by right: no evidence of a slot mix
+    prompt = _prompt_of(culprit, side, layout.keys[j])
+    skip |= {k for k, key in enumerate(layout.keys)
+             if prompt is not None and _prompt_of(culprit, side, key) == prompt}
     for k in range(len(layout.rows)):
         other = request_inputs(caught.extracted.inputs, layout, k, limit).get(name)
         if k not in skip and other is not None and _same(own, other):
             slots = _slots(caught, layout, name)
-            key = culprit.sides[side].key
             where = (f" (slot {slots[k]}, not its own slot {slots[j]})" if slots else "")
-            return f"{key}'s `{name}` is {layout.keys[k]}'s{where}"
+            return f"{culprit.label(side)}'s `{name}` is {layout.keys[k]}'s{where}"
     return None
+
+
+def _prompt_of(culprit: Culprit, side: int, key: str) -> str | None:
+    """The prompt of request ``p<i>`` of the side's run (ids as `tap run` gives them)."""
+    prompts = culprit.sides[side].facts.get("prompts") or []
+    index = key[1:]
+    return prompts[int(index)] if key[:1] == "p" and index.isdigit() \
+        and int(index) < len(prompts) else None
 
 
 def _slots(caught: Caught, layout: Layout, name: str) -> list[int] | None:
@@ -191,7 +202,7 @@ def _nondeterministic(culprit: Culprit, calls: tuple[Caught, Caught], configs: l
                 continue
             d = _outputs_differ({k: v for k, v in x.extracted.outputs.items()},
                                 y.extracted.outputs)
-            evidence.append(f"{culprit.sides[side].key}: {first} twice: "
+            evidence.append(f"{culprit.label(side)}: {first} twice: "
                             + ("bit for bit equal" if d is None else f"max abs {d:.3g}"))
             if d is not None:
                 caught = calls[side]
@@ -214,8 +225,8 @@ def _batch_variant(culprit: Culprit, calls: tuple[Caught, Caught], configs: list
         base = alone.output(0)
         differ = [(p, d) for p in range(len(copies.picks))
                   if (d := _outputs_differ(base, copies.output(p))) is not None]
-        key = culprit.sides[side].key
-        j = Layout.of(calls[side].step).request(key)
+        key = culprit.label(side)
+        j = Layout.of(calls[side].step).request(culprit.sides[side].key)
         evidence.append(f"{key}: alone (batch 1) vs each of {len(copies.picks)} positions of "
                         f"a batch of copies: {len(differ)} position(s) differ")
         if differ:
@@ -259,8 +270,8 @@ def _reference_errors(culprit: Culprit, calls: tuple[Caught, Caught],
 def _reference_evidence(culprit: Culprit, calls: tuple[Caught, Caught],
                         limit: int) -> list[str]:
     errors = _reference_errors(culprit, calls, limit)
-    return [f"{side.key} (step {side.step}): recorded output vs the definition's reference: "
-            f"max abs {e:.3g}" for side, e in zip(culprit.sides, errors)]
+    return [f"{culprit.label(i)} (step {culprit.sides[i].step}): recorded output vs the "
+            f"definition's reference: max abs {e:.3g}" for i, e in enumerate(errors)]
 
 
 def _wrong_row(culprit: Culprit, calls: tuple[Caught, Caught],
@@ -280,7 +291,7 @@ def _wrong_row(culprit: Culprit, calls: tuple[Caught, Caught],
                         "diff the run against the re-run under REPRO/enginetap)")
     errors = _reference_errors(culprit, calls, limit)
     good, bad = (0, 1) if errors[0] <= errors[1] else (1, 0)
-    keys = (a.key, b.key)
+    keys = (culprit.label(0), culprit.label(1))
     return "wrong-row", (
         f"same inputs, the op called again agrees with itself everywhere; the reference "
         f"agrees with {keys[good]} (max abs {errors[good]:.3g}) -> {keys[bad]} is wrong by "

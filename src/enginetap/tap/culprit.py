@@ -45,6 +45,13 @@ class Culprit:
     def module(self) -> str:
         return module_of(self.checkpoint)
 
+    def label(self, i: int) -> str:
+        """Side ``i`` in words: its request key (and its run's folder when both sides are
+        one request in two runs)."""
+        side = self.sides[i]
+        return side.key if self.sides[0].key != self.sides[1].key else \
+            f"{side.key} in {side.run.name}"
+
     def describe(self) -> str:
         a, b = self.sides
         where = (f"pair {a.key}/{b.key} at step {a.step}" if a.run == b.run else
