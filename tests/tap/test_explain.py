@@ -276,6 +276,21 @@ def test_a_culprit_no_probe_covers_is_one_line(tmp_path: Path, plant: Any,
     assert code == 2, err
     assert err.strip().count("\n") == 0, err
     assert "no capture probe covers L0.mlp.out on builtin:llama" in err
+    assert not (tmp_path / "repro").exists()  # refused before anything was written
+
+
+def test_a_run_of_another_engine_is_one_line(tmp_path: Path, plant: Any,
+                                             capsys: Any) -> None:
+    plant(NORM, by_batch_row)
+    record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=2)
+    path = tmp_path / "run" / "tap-rank0.jsonl"
+    header, rest = path.read_text().split("\n", 1)
+    record = json.loads(header)
+    record["options"]["run"]["engine"] = "vllm"  # as `tap run --engine vllm` writes it
+    path.write_text(json.dumps(record) + "\n" + rest)
+    code, _, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"))
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "cannot explain a run of engine 'vllm'" in err
 
 
 def test_a_run_recorded_without_prompts_is_one_line(tmp_path: Path, capsys: Any) -> None:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,11 +66,24 @@ def explain(culprit: Culprit, out: Path, *, device: str | None = None,
             an unknown solution, or no capture probe covers the culprit checkpoint's
             module on this model.
     """
-    from enginetap.jobs.explain_candidates import check_candidates, check_names
-    from enginetap.jobs.explain_verdict import judge, write_repro
+    from enginetap.jobs.explain_candidates import check_names
 
     _check_out(out)
     check_names(solutions or [])
+    fresh = not out.exists()
+    try:
+        return _explain(culprit, out, device, solutions or [])
+    except BaseException:
+        if fresh:  # a refusal after the re-run began leaves no half-written REPRO behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _explain(culprit: Culprit, out: Path, device: str | None,
+             solutions: list[str]) -> ExplainResult:
+    from enginetap.jobs.explain_candidates import check_candidates
+    from enginetap.jobs.explain_verdict import judge, write_repro
+
     for side in culprit.sides:
         if side.facts.get("engine") != "builtin":
             raise ConfigError(f"cannot explain a run of engine {side.facts.get('engine')!r}",
