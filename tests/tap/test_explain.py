@@ -188,6 +188,31 @@ def test_a_difference_after_the_probed_kernel_is_placed_after_it(
     assert "the re-run split again at step 0 L0.attn.out" in result["evidence"]
 
 
+def test_one_corrupted_row_is_named_against_the_reference(tmp_path: Path, plant: Any,
+                                                          capsys: Any) -> None:
+    """A norm that, in one step of the engine, writes a wrong value into batch row 1 only:
+    called again (outside that step) it is right everywhere, so the verdict falls to the
+    reference, which agrees with p0."""
+    def corrupt_row_1(wrapped, instance, args, kwargs):
+        out = wrapped(*args, **kwargs)
+        step = current_step()
+        if step is not None and step.step == 1 and out.dim() == 3 and out.shape[0] > 1:
+            out = out.clone()
+            out[1] += 0.5
+        return out
+
+    plant(NORM, corrupt_row_1)
+    record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=3)
+    code, out, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"),
+                             "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["kind"] == "wrong-row", result
+    assert "the reference agrees with p0 (max abs 0)" in result["verdict"]
+    assert "p1 is wrong by max abs 0.5" in result["verdict"]
+    assert result["finding"].startswith("pair p0/p1 at step 1")
+
+
 def test_an_unknown_solution_is_one_line(tmp_path: Path, plant: Any, capsys: Any) -> None:
     plant(NORM, by_batch_row)
     record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=2)
