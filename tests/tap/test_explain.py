@@ -27,6 +27,8 @@ from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
 from enginetap.dataset import Dataset
 from enginetap.replay.runner import replay_dataset
+from enginetap.tap.diff import diff_runs
+from enginetap.tap.files import load_run
 from enginetap.tap.run import record_run
 
 SAME = ["the cache holds every key", "the cache holds every key", "kernels and caches"]
@@ -106,6 +108,9 @@ def test_a_batch_position_dependent_norm_is_batch_variant(tmp_path: Path, plant:
     assert "positions 1, 2 of a batch of 3 copies" in result["verdict"]
     assert "rmsnorm" in result["op"] and result["finding"].startswith("pair p0/p1 at step 0")
     assert "the re-run split again at step 0 L0.in_norm.out" in result["evidence"]
+    # catching the op's calls changed nothing: the re-run's tap equals the run's, row by row
+    (same,) = diff_runs(load_run(tmp_path / "run"), load_run(tmp_path / "repro/enginetap/rerun-a"))
+    assert same.rows_compared > 0 and not same.diverged
     lines, status = configs(tmp_path / "repro"), engine_status(tmp_path / "repro")
     # alone, the engine's norm is the reference's; at batch rows 1 and 2 it is not
     assert {status[line.workload.uuid] for line in lines["alone"]} == {"PASS"}
