@@ -110,25 +110,42 @@ class Catcher:
             if step is None or step.step != self.step or not probe.fires_in(step):
                 return wrapped(*args, **kwargs)
             name = self._inside(instance, probe)
-            if name is None:
+            call = None if name is None else self._prepare(probe, wrapped, instance, args,
+                                                           kwargs, step, name)
+            if call is None:
                 return wrapped(*args, **kwargs)
+            kept = _cloned(call.args)
+            result = call.result = wrapped(*args, **kwargs)  # the engine's own call
+            try:
+                extracted = _to_host(_checked(probe.adapt(call), probe))
+            except Exception as exc:  # noqa: BLE001 - ours: say why, the engine goes on
+                self.declined.append(f"{probe.name} in {name}: {type(exc).__name__}: {exc}")
+                return result
+            assert call.definition is not None  # _prepare keeps defined calls only
+            self.caught.append(Caught(probe, call.definition, wrapped, instance,
+                                      current_module(), kept, step, call.layer, name,
+                                      extracted, target))
+            return result
+
+        return catch
+
+    def _prepare(self, probe: Probe, wrapped: Any, instance: Any, args: tuple, kwargs: dict,
+                 step: Step, name: str) -> ProbeCall | None:
+        """The call bound, defined and snapshotted; None (with the reason kept) when the
+        probe does not describe it or our code failed: the engine's call runs as it is."""
+        try:
             bound = bind_arguments(probe.signature or wrapped, args, kwargs)
             call = ProbeCall(probe, instance, bound, step, current_names())
             call.definition = probe.define(call)
             if call.definition is None:
                 self.declined.append(f"{probe.name} in {name}")
-                return wrapped(*args, **kwargs)
-            kept = _cloned(bound)
+                return None
             if probe.before is not None:
                 call.before = probe.before(call)
-            call.result = wrapped(*args, **kwargs)
-            extracted = _checked(probe.adapt(call), probe)
-            self.caught.append(Caught(probe, call.definition, wrapped, instance,
-                                      current_module(), kept, step, call.layer, name,
-                                      _to_host(extracted), target))
-            return call.result
-
-        return catch
+            return call
+        except Exception as exc:  # noqa: BLE001 - ours: say why, the engine goes on
+            self.declined.append(f"{probe.name} in {name}: {type(exc).__name__}: {exc}")
+            return None
 
 
 def _cloned(bound: dict[str, Any]) -> dict[str, Any]:
