@@ -68,7 +68,10 @@ def run_facts(engine: str, model: str, prompts: list[str], *, batch_size: int,
               max_new_tokens: int, dtype: str, device: str = "cpu", tp: int = 1
               ) -> dict[str, Any]:
     """``options.tap.run``: what a run of ``prompts`` was asked, kept in every tap file's
-    header so ``enginetap tap explain`` can run it again."""
+    header so ``enginetap tap explain`` can run it again (a model folder as an absolute
+    path: the re-run may start elsewhere)."""
+    if not model.startswith("builtin:"):
+        model = str(Path(model).expanduser().resolve())
     return {"engine": engine, "model": model, "dtype": dtype, "device": device, "tp": tp,
             "batch_size": batch_size, "max_new_tokens": max_new_tokens,
             "prompts": list(prompts)}
