@@ -350,3 +350,13 @@ def test_bad_options_are_one_line(tmp_path: Path, capsys: Any, args: list[str],
                                   message: str) -> None:
     code, _, err = explain(capsys, str(tmp_path), "--out", str(tmp_path / "r"), *args)
     assert code == 2 and message in err and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("checkpoint,module", [
+    ("L3.attn.out", "L3.attn"), ("L1.gdn.state_before", "L1.gdn"), ("L3.out", "L3"),
+    ("norm.out", "norm"), ("L0.moe.gate.out2", "L0.moe.gate"), ("L2.attn.core.out", "L2.attn.core"),
+])
+def test_a_checkpoint_names_its_module(checkpoint: str, module: str) -> None:
+    from enginetap.tap.culprit import module_of
+
+    assert module_of(checkpoint) == module
