@@ -15,6 +15,7 @@ token-shaped tensors, its request's entry for per-request ones.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -149,7 +150,19 @@ class Catcher:
 
 
 def _cloned(bound: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
+    return {k: _mapped(v, lambda t: t.detach().clone()) for k, v in bound.items()}
+
+
+def _mapped(value: Any, change: Any) -> Any:
+    """``value`` with ``change`` applied to every tensor in it (through tuples, lists and
+    dicts: a ``forward(*args, **kwargs)`` binds its tensors inside them)."""
+    if isinstance(value, torch.Tensor):
+        return change(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_mapped(v, change) for v in value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, change) for k, v in value.items()}
+    return value
 
 
 def _to_host(extracted: Extracted) -> Extracted:
@@ -179,12 +192,15 @@ class Layout:
     columns: list[list[int]]
     keys: list[str]
     width: int
-    """Columns of the padded batch."""
+    """Columns of the padded batch; 0 for an engine that runs flat token rows (vLLM), where
+    a request is its rows, contiguous in step order."""
 
     @classmethod
     def of(cls, step: Step) -> Layout:
         shape = step.extra.get("input_shape")
-        width = int(shape[1]) if shape else 1
+        if not shape:
+            return cls._flat(step)
+        width = int(shape[1])
         index = step.rows.token_index or list(range(len(step.rows)))
         order: dict[int, int] = {}
         layout = cls([], [], [], [], width)
@@ -198,6 +214,19 @@ class Layout:
                 layout.keys.append(step.rows.keys[row])
             layout.rows[order[b]].append(row)
             layout.columns[order[b]].append(column)
+        return layout
+
+    @classmethod
+    def _flat(cls, step: Step) -> Layout:
+        layout = cls([], [], [], [], 0)
+        for row, key in enumerate(step.rows.keys):
+            if not layout.keys or layout.keys[-1] != key:
+                layout.batch_rows.append(row)
+                layout.rows.append([])
+                layout.keys.append(key)
+                layout.columns.append([])
+            layout.rows[-1].append(row)
+            layout.columns[-1].append(row)
         return layout
 
     def request(self, key: str) -> int:
@@ -277,8 +306,9 @@ def _sub_rows(step: Step, layout: Layout, picks: list[int]) -> StepRows:
             values[f.name] = {g: [v[r] for r in order] for g, v in value.items()}
         else:
             values[f.name] = value
-    values["token_index"] = [b * layout.width + c for b, j in enumerate(picks)
-                             for c in layout.columns[j]]
+    values["token_index"] = (list(range(len(order))) if not layout.width else
+                             [b * layout.width + c for b, j in enumerate(picks)
+                              for c in layout.columns[j]])
     starts, at = [], 0
     for j in picks:
         starts += [at] * len(layout.rows[j])
@@ -291,24 +321,32 @@ def _sub_rows(step: Step, layout: Layout, picks: list[int]) -> StepRows:
 
 def call_again(caught: Caught, picks: list[int]) -> Extracted:
     """Run the engine's function on a batch of the caught call's requests ``picks``
-    (indices in step order; repeats allowed) and return that call in canonical layout."""
+    (indices in step order; repeats allowed) and return that call in canonical layout.
+    A padded engine's batch rows are picked (tensors whose first dimension is the batch),
+    a flat engine's token rows (tensors whose first dimension is the step's tokens)."""
     layout = Layout.of(caught.step)
-    batch = int(caught.step.extra.get("input_shape", [len(layout.rows)])[0])
-    index = [layout.batch_rows[j] for j in picks]
-    args = {k: _pick(v, batch, index) for k, v in caught.args.items()}
-    shape = list(caught.step.extra.get("input_shape") or [batch, 1])
-    step = replace(caught.step, rows=_sub_rows(caught.step, layout, picks),
-                   padded_tokens=len(picks) * layout.width,
-                   extra={**caught.step.extra, "input_shape": [len(picks), *shape[1:]]},
-                   _device={}, _memo={})
+    step = caught.step
+    if layout.width:
+        size = int(step.extra["input_shape"][0])
+        index = [layout.batch_rows[j] for j in picks]
+        shape = list(step.extra["input_shape"])
+        padded: int | None = len(picks) * layout.width
+        extra = {**step.extra, "input_shape": [len(picks), *shape[1:]]}
+    else:
+        size = step.padded_tokens or len(step.rows)
+        index = [row for j in picks for row in layout.rows[j]]
+        padded, extra = None, dict(step.extra)
+    args = {k: _mapped(v, lambda t: _pick(t, size, index)) for k, v in caught.args.items()}
+    sub = replace(step, rows=_sub_rows(step, layout, picks), padded_tokens=padded,
+                  extra=extra, _device={}, _memo={})
 
     def run() -> Extracted:
-        call = ProbeCall(caught.probe, caught.instance, args, step, caught.layer)
+        call = ProbeCall(caught.probe, caught.instance, args, sub, caught.layer)
         call.definition = caught.probe.define(call)
         if caught.probe.before is not None:
             call.before = caught.probe.before(call)
         with torch.inference_mode():
-            call.result = caught.function(**args)
+            call.result = _invoke(caught.function, args)
         return _to_host(_checked(caught.probe.adapt(call), caught.probe))
 
     if caught.scope_module is None:
@@ -316,9 +354,32 @@ def call_again(caught: Caught, picks: list[int]) -> Extracted:
     return _enter_module(lambda: run(), caught.scope_module, (), {})
 
 
-def _pick(value: Any, batch: int, index: list[int]) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.dim() and value.shape[0] == batch:
+def _pick(value: torch.Tensor, size: int, index: list[int]) -> torch.Tensor:
+    if value.dim() and value.shape[0] == size:
         return value.index_select(0, torch.tensor(index, device=value.device))
     return value.clone()
+
+
+def _invoke(function: Any, args: dict[str, Any]) -> Any:
+    """Call ``function`` with arguments bound by name, ``*args``/``**kwargs`` spread."""
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin (SDPA): its parameters take keywords
+        return function(**args)
+    if not args.keys() <= params.keys():  # bound by the probe's own signature: keywords
+        return function(**args)
+    spread = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+    positional: list[Any] = []
+    named: dict[str, Any] = {}
+    for name, p in params.items():
+        if name not in args:
+            continue
+        if p.kind is p.VAR_POSITIONAL:
+            positional.extend(args[name])
+        elif p.kind is p.VAR_KEYWORD:
+            named.update(args[name])
+        elif p.kind is p.POSITIONAL_ONLY or spread:
+            positional.append(args[name])
+        else:
+            named[name] = args[name]
+    return function(*positional, **named)
