@@ -309,18 +309,32 @@ def test_a_culprit_no_probe_covers_is_one_line(tmp_path: Path, plant: Any,
     assert not (tmp_path / "repro").exists()  # refused before anything was written
 
 
+def _as_engine(run: Path, engine: str) -> None:
+    path = run / "tap-rank0.jsonl"
+    header, rest = path.read_text().split("\n", 1)
+    record = json.loads(header)
+    record["options"]["run"]["engine"] = engine  # as `tap run --engine ...` would write it
+    path.write_text(json.dumps(record) + "\n" + rest)
+
+
 def test_a_run_of_another_engine_is_one_line(tmp_path: Path, plant: Any,
                                              capsys: Any) -> None:
     plant(NORM, by_batch_row)
-    record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=2)
-    path = tmp_path / "run" / "tap-rank0.jsonl"
-    header, rest = path.read_text().split("\n", 1)
-    record = json.loads(header)
-    record["options"]["run"]["engine"] = "vllm"  # as `tap run --engine vllm` writes it
-    path.write_text(json.dumps(record) + "\n" + rest)
-    code, _, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"))
+    for batch in (1, 3):
+        record_run("builtin:llama", SAME, tmp_path / f"b{batch}", batch_size=batch,
+                   max_new_tokens=2)
+    _as_engine(tmp_path / "b3", "sglang")
+    code, _, err = explain(capsys, str(tmp_path / "b3"), "--out", str(tmp_path / "repro"))
     assert code == 2 and err.strip().count("\n") == 0
-    assert "cannot explain a run of engine 'vllm'" in err
+    assert "cannot explain a run of engine 'sglang'" in err
+    # vLLM is re-run once per process: a pair of one run, not a diff of two runs
+    _as_engine(tmp_path / "b3", "vllm")
+    _as_engine(tmp_path / "b1", "vllm")
+    code, _, err = explain(capsys, str(tmp_path / "b1"), "--diff", str(tmp_path / "b3"),
+                           "--request", "p2", "--out", str(tmp_path / "repro"))
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "cannot explain this vLLM finding" in err
+    assert not (tmp_path / "repro").exists()
 
 
 def test_a_run_recorded_without_prompts_is_one_line(tmp_path: Path, capsys: Any) -> None:

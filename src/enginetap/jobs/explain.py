@@ -85,10 +85,7 @@ def _explain(culprit: Culprit, out: Path, device: str | None,
     from enginetap.jobs.explain_verdict import judge, write_repro
 
     for side in culprit.sides:
-        if side.facts.get("engine") != "builtin":
-            raise ConfigError(f"cannot explain a run of engine {side.facts.get('engine')!r}",
-                              "tap explain re-runs the built-in engine only",
-                              "record the run with `enginetap tap run --engine builtin`")
+        _check_engine(culprit, side)
     caught = _rerun_all(culprit, out, device)
     pick = _pick_op(culprit, caught)
     b_dir = out / "enginetap" / "rerun-b"
@@ -101,6 +98,22 @@ def _explain(culprit: Culprit, out: Path, device: str | None,
         result.candidates = check_candidates(solutions, result.records,
                                              caught[0][pick[0]].definition, where)
     return result
+
+
+def _check_engine(culprit: Culprit, side: Side) -> None:
+    engine = side.facts.get("engine")
+    if engine == "builtin":
+        return
+    if engine != "vllm":
+        raise ConfigError(f"cannot explain a run of engine {engine!r}",
+                          "tap explain re-runs the built-in engine and vLLM",
+                          "record the run with `enginetap tap run`")
+    a, b = culprit.sides
+    if int(side.facts.get("tp") or 1) != 1 or a.run != b.run:
+        raise ConfigError("cannot explain this vLLM finding",
+                          "vLLM is re-run in this process, once, at TP=1 (its arming is "
+                          "per process): a pair of one TP=1 run",
+                          "explain a pair (--pair) of a run recorded with --tp 1")
 
 
 def _check_out(out: Path) -> None:
@@ -118,7 +131,14 @@ def _rerun_all(culprit: Culprit, out: Path, device: str | None) -> tuple[list, l
 
 
 def _rerun(side: Side, culprit: Culprit, tap_dir: Path, device: str | None) -> list:
-    """Record ``side``'s run again; returns the probed calls caught in the culprit module.
+    """Record ``side``'s run again; returns the probed calls caught in the culprit module."""
+    if side.facts.get("engine") == "vllm":
+        return _rerun_vllm(side, culprit, tap_dir)
+    return _rerun_builtin(side, culprit, tap_dir, device)
+
+
+def _rerun_builtin(side: Side, culprit: Culprit, tap_dir: Path, device: str | None) -> list:
+    """The built-in engine's re-run.
 
     Raises:
         ConfigError: no probe covers the culprit's module (checked before generating).
@@ -157,11 +177,58 @@ def _rerun(side: Side, culprit: Culprit, tap_dir: Path, device: str | None) -> l
             catcher.uninstall()
         disarm()
         close_all()
+    return _caught(catcher, culprit, side, model)
+
+
+def _caught(catcher: Any, culprit: Culprit, side: Side, model: str) -> list:
     if not catcher.caught:
         declined = f" (declined: {', '.join(catcher.declined)})" if catcher.declined else ""
         raise _uncovered(culprit, model, f"no probed op ran inside {culprit.module} at step "
                                          f"{side.step}{declined}")
     return catcher.caught
+
+
+def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
+    """vLLM CPU's re-run, its engine core and model runner in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the catcher wraps the probes' targets here."""
+    import gc
+    import os
+
+    from enginetap.core.capability import current_arming
+    from enginetap.core.jsonl import close_all
+    from enginetap.jobs.explain_calls import Catcher
+    from enginetap.tap.run import _arm_vllm_processes, _generate_batch, _model_dir
+
+    facts, model = side.facts, str(side.facts["model"])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _arm_vllm_processes(tap_dir, {**side.tap, "run": facts}, 1)
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError:
+        raise ConfigError("vLLM is not installed", "the run was recorded on vLLM",
+                          "pip install enginetap[vllm]") from None
+    size = int(facts.get("batch_size") or 8)
+    with _quiet():
+        llm = LLM(model=str(_model_dir(model)), tensor_parallel_size=1,
+                  gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False,
+                  max_num_seqs=size, seed=0)
+    arming = current_arming()
+    catcher = Catcher(arming.hooks.capture_probes() if arming else [], side.step,
+                      culprit.module)
+    try:
+        catcher.patches.install()
+        catcher.add_model(None, [])
+        params = SamplingParams(max_tokens=int(facts.get("max_new_tokens") or 8),
+                                temperature=0.0)
+        prompts, done = list(facts["prompts"]), {}
+        for start in range(0, len(prompts), size):
+            _generate_batch(llm.llm_engine, prompts, start, size, params, done)
+    finally:
+        catcher.uninstall()
+        del llm
+        gc.collect()
+        close_all()
+    return _caught(catcher, culprit, side, model)
 
 
 def _uncovered(culprit: Culprit, model: str, why: str) -> ConfigError:
