@@ -28,7 +28,8 @@ from enginetap.core.scope import (SCOPE, SublayerSpec, _enter_module, current_mo
                                   current_names, sublayer_classes)
 from enginetap.dataset.schema import Definition
 
-__all__ = ["Caught", "Catcher", "Layout", "call_again", "common_rows", "request_inputs"]
+__all__ = ["Caught", "Catcher", "Layout", "call_again", "common_rows", "first_tensor",
+           "request_inputs"]
 
 
 @dataclass
@@ -155,6 +156,15 @@ def _cloned(bound: dict[str, Any]) -> dict[str, Any]:
     return {k: _mapped(v, lambda t: t.detach().clone()) for k, v in bound.items()}
 
 
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in ``value`` (through tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, dict) else \
+        value if isinstance(value, (tuple, list)) else ()
+    return next((t for v in items if (t := first_tensor(v)) is not None), None)
+
+
 def _mapped(value: Any, change: Any) -> Any:
     """``value`` with ``change`` applied to every tensor in it (through tuples, lists and
     dicts: a ``forward(*args, **kwargs)`` binds its tensors inside them)."""
@@ -230,6 +240,14 @@ class Layout:
             layout.rows[-1].append(row)
             layout.columns[-1].append(row)
         return layout
+
+    def where(self, j: int) -> str:
+        """Request ``j``'s place in the batch, in words."""
+        if self.width:
+            return f"batch row {self.batch_rows[j]} of {len(self.rows)}"
+        rows = self.rows[j]
+        return (f"token rows {rows[0]}-{rows[-1]} of {sum(len(r) for r in self.rows)} "
+                f"(request {j} of {len(self.rows)})")
 
     def request(self, key: str) -> int:
         """The index (in step order) of ``key``'s batch row."""

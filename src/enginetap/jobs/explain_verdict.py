@@ -24,7 +24,7 @@ import torch
 
 from enginetap.jobs.explain import ExplainResult
 from enginetap.jobs.explain_calls import (Caught, Layout, call_again, common_rows,
-                                          request_inputs)
+                                          first_tensor, request_inputs)
 from enginetap.tap.culprit import Culprit
 
 __all__ = ["judge", "side_output", "write_repro"]
@@ -83,7 +83,7 @@ def _outputs_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 
 def _shape(caught: Caught) -> str:
-    tensor = next((v for v in caught.args.values() if isinstance(v, torch.Tensor)), None)
+    tensor = first_tensor(caught.args)
     return "x".join(str(d) for d in tensor.shape) if tensor is not None else "?"
 
 
@@ -103,9 +103,8 @@ def judge(culprit: Culprit, ca: Caught, cb: Caught,
     calls = (ca, cb) if ca is not cb else (ca,)
     configs = _configs(calls, layouts, js)
     result.records = configs
-    result.evidence += [f"{culprit.label(i)}: batch row {layouts[i].batch_rows[js[i]]} of "
-                        f"{len(layouts[i].rows)} at step {culprit.sides[i].step}, {limit} "
-                        "row(s) shared" for i in (0, 1)]
+    result.evidence += [f"{culprit.label(i)}: {layouts[i].where(js[i])} at step "
+                        f"{culprit.sides[i].step}, {limit} row(s) shared" for i in (0, 1)]
     result.evidence += _reference_evidence(culprit, (ca, cb), limit)
     upstream = _upstream(culprit, (ca, cb), layouts, js, limit)
     if upstream is not None:
