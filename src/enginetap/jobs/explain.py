@@ -2,8 +2,9 @@
 
 1. The finding (:func:`enginetap.tap.culprit.find_culprit`) names a checkpoint, a step and
    two sides (two requests of one run, or one request in two runs).
-2. Each run is recorded again on the built-in engine from its header's ``options.run``
-   (same prompts, batch size, dtype, tap options), with a :class:`~enginetap.jobs.
+2. Each run is recorded again from its header's ``options.run`` (same prompts, batch
+   size, dtype, tap options) on the built-in engine, or on vLLM CPU in this process (a
+   pair of a TP=1 run: vLLM arms once per process), with a :class:`~enginetap.jobs.
    explain_calls.Catcher` keeping every probed call inside the culprit module at that
    step: the finest op the capture probes describe (attention kernel, norm, experts,
    gated delta rule...), the whole batch's tensors.
@@ -62,7 +63,8 @@ def explain(culprit: Culprit, out: Path, *, device: str | None = None,
     built-in of ``solutions`` is checked for batch invariance on the same bytes.
 
     Raises:
-        ConfigError: a run is not of the built-in engine, ``out`` is not a new directory,
+        ConfigError: a run is of an engine not re-run here (or a vLLM finding other than
+            a pair of a TP=1 run), ``out`` is not a new directory,
             an unknown solution, or no capture probe covers the culprit checkpoint's
             module on this model.
     """
