@@ -272,7 +272,7 @@ def _pick_op(culprit: Culprit, caught: tuple[list, list]) -> tuple[int, int]:
     """The first caught call (in execution order) whose two sides differ in output."""
     from enginetap.jobs.explain_verdict import side_output
 
-    from enginetap.jobs.explain_calls import common_rows
+    from enginetap.jobs.explain_layout import common_rows
 
     a, b = culprit.sides
     pairs = list(zip(range(len(caught[0])), range(len(caught[1]))))

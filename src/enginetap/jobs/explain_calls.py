@@ -9,8 +9,8 @@ its definition's canonical layout (the probe's own ``define``/``adapt``, as capt
 :func:`call_again` runs a kept call's function on a batch made of some of its batch rows
 (one row alone, one row at every position, the whole batch again) and turns that call
 into the definition's layout through the same probe, with a step whose row metadata is
-the selected rows'. A row's canonical slice (:class:`Layout`) is its token rows for
-token-shaped tensors, its request's entry for per-request ones.
+the selected rows' (:class:`~enginetap.jobs.explain_layout.Layout` says which rows a
+request holds).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from enginetap.core.patching import PatchSet, bind_arguments
 from enginetap.core.scope import (SCOPE, SublayerSpec, _enter_module, current_module,
                                   current_names, sublayer_classes)
 from enginetap.dataset.schema import Definition
+from enginetap.jobs.explain_layout import Layout
 
-__all__ = ["Caught", "Catcher", "Layout", "call_again", "common_rows", "first_tensor",
-           "request_inputs"]
+__all__ = ["Caught", "Catcher", "call_again", "first_tensor"]
 
 
 @dataclass
@@ -192,125 +192,6 @@ def _checked(extracted: Extracted | None, probe: Probe) -> Extracted:
         if not bool(flag.all()):
             raise ValueError(f"probe {probe.name}: {what}")
     return extracted
-
-
-# ---------------------------------------------------------------------- layout
-@dataclass
-class Layout:
-    """Which step rows each batch row of a padded call holds, in step order."""
-
-    batch_rows: list[int]
-    rows: list[list[int]]
-    columns: list[list[int]]
-    keys: list[str]
-    width: int
-    """Columns of the padded batch; 0 for an engine that runs flat token rows (vLLM), where
-    a request is its rows, contiguous in step order."""
-
-    @classmethod
-    def of(cls, step: Step) -> Layout:
-        shape = step.extra.get("input_shape")
-        if not shape:
-            return cls._flat(step)
-        width = int(shape[1])
-        index = step.rows.token_index or list(range(len(step.rows)))
-        order: dict[int, int] = {}
-        layout = cls([], [], [], [], width)
-        for row, flat in enumerate(index):
-            b, column = divmod(flat, width)
-            if b not in order:
-                order[b] = len(layout.batch_rows)
-                layout.batch_rows.append(b)
-                layout.rows.append([])
-                layout.columns.append([])
-                layout.keys.append(step.rows.keys[row])
-            layout.rows[order[b]].append(row)
-            layout.columns[order[b]].append(column)
-        return layout
-
-    @classmethod
-    def _flat(cls, step: Step) -> Layout:
-        layout = cls([], [], [], [], 0)
-        for row, key in enumerate(step.rows.keys):
-            if not layout.keys or layout.keys[-1] != key:
-                layout.batch_rows.append(row)
-                layout.rows.append([])
-                layout.keys.append(key)
-                layout.columns.append([])
-            layout.rows[-1].append(row)
-            layout.columns[-1].append(row)
-        return layout
-
-    def where(self, j: int) -> str:
-        """Request ``j``'s place in the batch, in words."""
-        if self.width:
-            return f"batch row {self.batch_rows[j]} of {len(self.rows)}"
-        rows = self.rows[j]
-        return (f"token rows {rows[0]}-{rows[-1]} of {sum(len(r) for r in self.rows)} "
-                f"(request {j} of {len(self.rows)})")
-
-    def request(self, key: str) -> int:
-        """The index (in step order) of ``key``'s batch row."""
-        return self.keys.index(key)
-
-    def slice(self, tensor: Any, j: int, limit: int | None = None) -> torch.Tensor | None:
-        """Request ``j``'s part of a canonical tensor: its token rows (the first ``limit``
-        of them), or its entry of a per-request tensor; None for tensors shared by the
-        batch."""
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            return None
-        n_rows = sum(len(r) for r in self.rows)
-        if tensor.shape[0] == n_rows and n_rows != len(self.rows):
-            return tensor[self.rows[j][:limit]]
-        if tensor.shape[0] == len(self.rows):
-            return tensor[j:j + 1]
-        return None
-
-
-def common_rows(a: Step, key_a: str, b: Step, key_b: str) -> int:
-    """How many leading token rows (in position order) two requests share: same
-    positions and token ids (a pair's same-prefix rows; all of one request in two runs)."""
-    rows_a = sorted((a.rows.positions[r], a.rows.token_ids[r]) for r in a.rows.rows_of_key(key_a))
-    rows_b = sorted((b.rows.positions[r], b.rows.token_ids[r]) for r in b.rows.rows_of_key(key_b))
-    n = 0
-    while n < min(len(rows_a), len(rows_b)) and rows_a[n] == rows_b[n]:
-        n += 1
-    return n
-
-
-def request_inputs(inputs: dict[str, Any], layout: Layout, j: int,
-                   limit: int | None = None) -> dict[str, torch.Tensor]:
-    """Request ``j``'s part of every canonical input that has one: row- or
-    request-shaped tensors (the first ``limit`` token rows), segments of an ``*_indptr``,
-    a paged cache's pages. Page numbers and pointers are layout, not data: left out."""
-    n = len(layout.rows)
-    ptrs = {name: v for name, v in inputs.items() if name.endswith("_indptr")
-            and isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n + 1}
-    out: dict[str, torch.Tensor] = {}
-    for name, v in inputs.items():
-        if not isinstance(v, torch.Tensor) or name.endswith(("_indptr", "indices")):
-            continue
-        if v.dim() < 2 and v.is_floating_point():
-            continue  # per-head constants (A_log, dt_bias), weights
-        part = _segment(v, ptrs, j, limit)
-        if part is None and name.endswith("_cache") and "kv_indices" in inputs \
-                and "kv_indptr" in ptrs:
-            p = ptrs["kv_indptr"]
-            part = v[inputs["kv_indices"][int(p[j]):int(p[j + 1])].long()]
-        if part is None:
-            part = layout.slice(v, j, limit)
-        if part is not None:
-            out[name] = part
-    return out
-
-
-def _segment(v: torch.Tensor, ptrs: dict[str, torch.Tensor], j: int,
-             limit: int | None) -> torch.Tensor | None:
-    for p in ptrs.values():
-        if v.shape[0] == int(p[-1]) and v.dim() >= 2:
-            end = int(p[j + 1]) if limit is None else min(int(p[j + 1]), int(p[j]) + limit)
-            return v[int(p[j]):end]
-    return None
 
 
 # ---------------------------------------------------------------------- calling again

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from enginetap.jobs.explain import ExplainResult
-from enginetap.jobs.explain_calls import (Caught, Layout, call_again, common_rows,
-                                          first_tensor, request_inputs)
+from enginetap.jobs.explain_calls import Caught, call_again, first_tensor
+from enginetap.jobs.explain_layout import Layout, common_rows, request_inputs
 from enginetap.tap.culprit import Culprit
 
 __all__ = ["judge", "side_output", "write_repro"]
