@@ -214,3 +214,53 @@ def _describe(d) -> str:
     if not d.diverged:
         lines.append("  no divergence")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- explain
+@app.command("explain")
+def explain(
+    run_dir: Annotated[Path, typer.Argument(help="A tap run directory (`tap run --out`).")],
+    out: Annotated[Path, typer.Option(help="REPRO: a new directory for the FlashInfer-Trace "
+                                           "dataset of the culprit op.")],
+    pair: Annotated[str | None, typer.Option(help="The pair to explain, A/B (default: the "
+                                                  "first pair that split).")] = None,
+    request: Annotated[str | None, typer.Option(help="A request key: its first split pair, "
+                                                     "or with --diff its divergence.")] = None,
+    diff_run: Annotated[Path | None, typer.Option(
+        "--diff", help="Another run of the same prompts: explain a request's divergence "
+                       "between the two runs.")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="Where the built-in engine re-runs (cpu, cuda; default: the run's).")] = None,
+    solution: Annotated[list[str] | None, typer.Option(
+        help="A built-in solution (torch:sdpa, torch:flex...) to check for batch "
+             "invariance on the same bytes; repeatable.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Re-run a finding's prompts, catch the culprit op's calls, replay them alone, at
+    other batch positions and twice, and say what kind of bug it is; write REPRO."""
+    from enginetap.jobs.explain import explain as run_explain
+    from enginetap.tap.culprit import find_culprit
+    from enginetap.tap.files import load_run
+
+    if pair is not None and (pair.count("/") != 1 or not all(pair.split("/"))):
+        raise ConfigError(f"--pair {pair!r} is not A/B", "a pair is two request keys",
+                          "pass --pair p0/p2 (keys from `enginetap tap report`)")
+    if pair is not None and diff_run is not None:
+        raise ConfigError("--pair and --diff together", "a pair is two requests of one run, "
+                          "a diff one request in two runs", "pass one of them")
+    keys = (pair.split("/")[0], pair.split("/")[1]) if pair is not None else None
+    culprit = find_culprit(load_run(run_dir), pair=keys, request=request,
+                           other=load_run(diff_run) if diff_run is not None else None)
+    result = run_explain(culprit, out, device=device, solutions=list(solution or []))
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=1))
+        return
+    typer.echo(f"finding: {culprit.describe()}")
+    typer.echo(f"op: {result.op}")
+    typer.echo(f"verdict: {result.verdict}")
+    for line in result.evidence:
+        typer.echo(f"  {line}")
+    for line in result.candidates:
+        typer.echo(f"solution {line}")
+    typer.echo(f"REPRO: {result.workloads} workload(s) of {result.definition} in {out} "
+               f"(enginetap replay {out} --solution ...)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -64,6 +64,11 @@ class TapOptions(BaseModel):
     would be traced into the graph); refused by default."""
     file: str = "tap"
     """Output name: ``<out_dir>/<file>-rank<r>.jsonl``."""
+    run: dict[str, Any] = Field(default_factory=dict)
+    """What the job that recorded the run was asked (``enginetap tap run`` fills it):
+    engine, model, dtype, device, batch size, new tokens per request and the prompts, so
+    ``enginetap tap explain`` can run the same prompts again. Empty where the tap was armed
+    by hand (such a run cannot be explained)."""
 
     @model_validator(mode="after")
     def _validate_vectors(self) -> TapOptions:

@@ -16,8 +16,8 @@ from enginetap.errors import ConfigError
 from enginetap.tap.format import RUN_FILE
 
 __all__ = ["BUILTIN_PROMPTS", "MAX_PROMPT_BYTES", "PROMPTS_ABOUT", "PROMPT_FILES", "RUN_FILE",
-           "load_prompts", "prepare_out", "record_run", "record_vllm_run", "save_run_command",
-           "vector_options"]
+           "load_prompts", "prepare_out", "record_run", "record_vllm_run", "run_facts",
+           "save_run_command", "vector_options"]
 
 MAX_PROMPT_BYTES = 64 << 20
 """Largest prompt file read."""
@@ -167,6 +167,19 @@ def prepare_out(out: Path, *, force: bool = False, name: str = "tap") -> None:
         (out / RUN_FILE).unlink(missing_ok=True)
 
 
+def run_facts(engine: str, model: str, prompts: list[str], *, batch_size: int,
+              max_new_tokens: int, dtype: str, device: str = "cpu", tp: int = 1
+              ) -> dict[str, Any]:
+    """``options.tap.run``: what a run of ``prompts`` was asked, kept in every tap file's
+    header so ``enginetap tap explain`` can run it again (a model folder as an absolute
+    path: the re-run may start elsewhere)."""
+    if not model.startswith("builtin:"):
+        model = str(Path(model).expanduser().resolve())
+    return {"engine": engine, "model": model, "dtype": dtype, "device": device, "tp": tp,
+            "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+            "prompts": list(prompts)}
+
+
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
                dtype: str = "float32", device: str = "cpu") -> list[list[int]]:
@@ -183,8 +196,11 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
     from enginetap.engines.hf import HFEngine, Request
     from enginetap.engines.hf.arming import disarm
 
+    tap = {"run": run_facts("builtin", model, prompts, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, dtype=dtype, device=device),
+           **(tap or {})}
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
-                       options={"tap": tap or {}, "step": {"record": False}})
+                       options={"tap": tap, "step": {"record": False}})
     kwargs = {"dtype": getattr(torch, dtype), "device": device, "prefix_cache_size": 0,
               "arm": config}
     try:
@@ -215,6 +231,8 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
             (checked before anything is written to ``out``).
     """
     model_dir = _model_dir(model)
+    tap = {"run": run_facts("vllm", model, prompts, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, dtype=dtype, tp=tp), **(tap or {})}
     try:  # importing vLLM loads no plugin: the arming below still precedes the engine
         from vllm import LLM, SamplingParams
     except (ImportError, OSError) as exc:
@@ -222,7 +240,7 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
                           else "vLLM does not import", f"--engine vllm runs vllm.LLM ({exc})",
                           "pip install enginetap[vllm] (or tap with --engine builtin)"
                           ) from None
-    _arm_vllm_processes(out, tap or {}, tp)
+    _arm_vllm_processes(out, tap, tp)
     llm = LLM(model=str(model_dir), tensor_parallel_size=tp, gpu_memory_utilization=0.3,
               enforce_eager=True, enable_prefix_caching=False, max_num_seqs=batch_size,
               seed=0, dtype=dtype)
