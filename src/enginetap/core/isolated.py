@@ -127,7 +127,8 @@ class Child:
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-c", _BOOT, self.entry, str(child_read),
                  str(child_write), *self.sys_path],
-                pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL)
+                pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent())
         finally:
             os.close(child_read)
             os.close(child_write)
@@ -152,6 +153,31 @@ class Child:
             process.kill()
             process.wait()
             return None
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """On Linux, a function for ``preexec_fn`` that has the child killed when the process
+    that started it dies: a replay killed with SIGKILL (no chance to close the pipe) leaves
+    no candidate or reference spinning in a hanging import or loop. ``None`` elsewhere.
+
+    The death signal follows the *thread* that forked: children are started from the
+    replay's own thread, which outlives them."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def _serve(entry: str, read_fd: int, write_fd: int) -> None:
