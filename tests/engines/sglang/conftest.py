@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="SGLang is not installed here (make install-sglang; "
                                    "make test runs these in .venv-sglang)")
     for item in items:
-        if "sglang" in item.keywords:
+        if item.get_closest_marker("sglang") is not None:
             item.add_marker(skip)
 
 

@@ -92,16 +92,33 @@ def engine_kwargs(model: str | Path, *, max_running_requests: int = 8, dtype: st
         "disable_radix_cache": not radix_cache, "log_level": "error"}
     if on_cpu:
         kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                      disable_overlap_schedule=True, mem_fraction_static=0.05,
+                      disable_overlap_schedule=True, mem_fraction_static=_cpu_fraction(),
                       max_total_tokens=4096)
         if arch in HYBRID:
             kwargs["mamba_radix_cache_strategy"] = "no_buffer"
     return kwargs
 
 
+def _cpu_fraction() -> float:
+    """SGLang's ``mem_fraction_static`` on the CPU: the fraction of the machine's memory
+    the engine may hold, counted from the memory in use when it starts (other processes
+    included), so it must exceed the share already taken; the KV pool itself is capped by
+    ``max_total_tokens``."""
+    try:
+        info = dict(line.split(":", 1) for line in
+                    Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        total = int(info["MemTotal"].split()[0])
+        available = int(info["MemAvailable"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return 0.5
+    return round(min(0.95, max(0.1, 1 - available / total + 0.08)), 3)
+
+
 def server_args(model: str | Path, port: int, **options: Any) -> list[str]:
-    """``python -m sglang.launch_server`` arguments equal to :func:`engine_kwargs`."""
+    """``python -m sglang.launch_server`` arguments equal to :func:`engine_kwargs` (radix
+    cache on: a server's prefix reuse is what traffic profiles exercise)."""
     args = ["--port", str(port), "--host", "127.0.0.1"]
+    options.setdefault("radix_cache", True)
     for key, value in engine_kwargs(model, **options).items():
         flag = "--" + key.replace("_", "-")
         if value is True:

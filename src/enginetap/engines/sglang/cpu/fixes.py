@@ -19,6 +19,11 @@ runs without them). Each names the place in SGLang that needs it:
   gated norm) runs a Triton kernel where the CPU has no AMX, and Triton has no CPU driver:
   it goes to SGLang's own torch reference of the same norm, ``rms_norm_ref``
   (``kernels/ops/attention/fla/layernorm_gated.py``; silu gate after the norm);
+- ``srt/models/deepseek_common/attention_backend_handler.py`` has no handler for the
+  ``torch_native`` backend and falls back to Triton's, which sends prefill to MLA's MHA
+  form; the torch-native backend then reads keys and values back from the latent cache
+  and fails ("Expected size ... [4, 96] but got ... [4, 576]"). ``torch_native`` gets the
+  absorbed MLA form (SGLang's own ``_dispatch_mla_subtype``), for prefill and decode;
 - ``srt/models/qwen2_moe.py`` adds the gated shared expert with
   ``fused_gate_sigmoid_mul_add`` (a Triton kernel) unless the gate runs on AMX: the same
   sum in torch, ``final += sigmoid(hidden @ gate) * shared`` (what its unfused path does).
@@ -44,8 +49,11 @@ QWEN3_NEXT_CONFIG = "sglang.srt.configs.qwen3_next:Qwen3NextConfig.__init__"
 GATED_NORM = "sglang.kernels.ops.attention.fla.fused_norm_gate:FusedRMSNormGated.forward"
 
 SHARED_GATE = "sglang.srt.models.qwen2_moe:fused_gate_sigmoid_mul_add"
+MLA_HANDLER = ("sglang.srt.models.deepseek_common.attention_backend_handler:"
+               "AttentionBackendRegistry.get_handler")
 
-FIXES = (ROPE_CPU, DEEPSEEK_SPARSE, QWEN3_NEXT_CONFIG, GATED_NORM, SHARED_GATE)
+FIXES = (ROPE_CPU, DEEPSEEK_SPARSE, QWEN3_NEXT_CONFIG, GATED_NORM, SHARED_GATE,
+         MLA_HANDLER)
 """Every target the CPU fixes patch (the guard drift lock of the SGLang path covers them)."""
 
 
@@ -112,6 +120,15 @@ def _shared_gate(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> None:
     call["final_hidden_states"].add_(gate * call["shared_output"])
 
 
+def _mla_handler(wrapped: Any, registry: Any, args: tuple, kwargs: dict) -> Any:
+    name = bind_arguments(wrapped, args, kwargs)["backend_name"]
+    if name == "torch_native" and name not in getattr(registry, "_handlers", {}):
+        from sglang.srt.models.deepseek_common import attention_backend_handler
+
+        return attention_backend_handler._dispatch_mla_subtype
+    return wrapped(*args, **kwargs)
+
+
 def cpu_fixes() -> PatchSet:
     """The patches (installed now, or when each SGLang module is imported)."""
     fixes = PatchSet("sglang-cpu-fixes")
@@ -120,4 +137,5 @@ def cpu_fixes() -> PatchSet:
     fixes.add(QWEN3_NEXT_CONFIG, _qwen3_next_config)
     fixes.add(GATED_NORM, _gated_norm_cpu)
     fixes.add(SHARED_GATE, _shared_gate)
+    fixes.add(MLA_HANDLER, _mla_handler)
     return fixes

@@ -8,6 +8,11 @@ canonical order. DeepSeek's routed scaling factor is in the weights only where S
 applies it there (``apply_routed_scaling_factor_on_output``); otherwise it scales the
 experts' output later, and the definition is instantiated with 1. TP=1 only (the router
 is replicated under TP anyway).
+
+Grouped sigmoid routing (DeepSeek-V3) is captured only from float32 logits: SGLang's
+torch form (``biased_grouped_topk_impl``) takes the sigmoid in the logits' dtype, and on
+bf16 logits its weights differ from the definition's float32 sigmoid by ~2**-9 relative
+(and a near-tie may pick another expert): a different operator, not captured as this one.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def _define(call: ProbeCall) -> Definition | None:
     experts, top_k = int(logits.shape[1]), int(config.top_k)
     renormalize = bool(config.renormalize)
     if config.use_grouped_topk and config.scoring_func == "sigmoid" \
-            and config.correction_bias is not None:
+            and config.correction_bias is not None and logits.dtype == torch.float32:
         scale = (float(config.routed_scaling_factor or 1.0)
                  if config.apply_routed_scaling_factor_on_output else 1.0)
         return instantiate("moe_topk_grouped_sigmoid", num_experts=experts, top_k=top_k,

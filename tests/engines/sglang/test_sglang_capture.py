@@ -1,0 +1,79 @@
+"""Capture from SGLang CPU (TP=1) for qwen3_next and deepseek_v3, then replay every
+captured workload against its definition's reference: each must PASS within the
+definition's tolerance. One armed SGLang run per model (``sglang_capture_run.py``).
+
+Qwen3-Next: Gemma-style norms, the softmax router and the gated delta rule at SGLang's
+GDN dispatcher (prefill and decode). DeepSeek-V3: its norms; its grouped sigmoid router
+computes the sigmoid in bf16 and is not captured (see ``probes/moe.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.engines.sglang.conftest import HERE, child_env, run_child
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+EXPECTED = {
+    "qwen3_next": {"rmsnorm_offset", "fused_add_rmsnorm_offset", "moe_topk_softmax",
+                   "gdn_prefill", "gdn_decode"},
+    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm"},
+}
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from enginetap.models import build_model
+
+    root = tmp_path_factory.mktemp("capture-sglang")
+    out = {}
+    for name in EXPECTED:
+        folder = root / name
+        folder.mkdir()
+        config = {"enabled": True, "capabilities": ["capture"], "out_dir": str(folder),
+                  "options": {"capture": {}}}
+        (folder / "arming.json").write_text(json.dumps(config))
+        run_child([str(HERE / "sglang_capture_run.py"), str(build_model(name)),
+                   str(folder / "tokens.json")],
+                  child_env({"ENGINETAP_CONFIG": str(folder / "arming.json")}),
+                  folder / "run.log")
+        out[name] = folder / "dataset"
+    return out
+
+
+def _families(dataset: Path) -> set[str]:
+    from enginetap.dataset import Dataset
+    from enginetap.definitions.base import family_of
+
+    store = Dataset(dataset)
+    return {family_of(d) or n for n, d in store.definitions().items() if store.workloads(n)}
+
+
+@pytest.mark.parametrize("model", sorted(EXPECTED))
+def test_every_captured_workload_replays_within_tolerance(captured, model) -> None:
+    from enginetap.replay.runner import replay_dataset
+
+    dataset = captured[model]
+    assert EXPECTED[model] <= _families(dataset), _families(dataset)
+    report = replay_dataset(dataset, warmup=0, repeats=1)
+    assert not report.problems, report.problems
+    failures = [f"{d.name} {w.uuid}: {w.status} {[c for c in w.checks if c.status != 'PASS']}"
+                for d in report.definitions for w in d.workloads if w.status != "PASS"]
+    assert not failures, "\n".join(failures)
+    assert {d.status for d in report.definitions} == {"PASS"}
+
+
+def test_receipts_name_sglang_its_step_and_the_gated_delta_layer(captured) -> None:
+    from enginetap.dataset import Dataset
+
+    store = Dataset(captured["qwen3_next"])
+    for family, mode in (("gdn_prefill", "prefill"), ("gdn_decode", "decode")):
+        name = next(n for n in store.definitions() if n.startswith(family))
+        receipt = store.workloads(name)[0].enginetap.receipt.model_dump()
+        assert receipt["engine_version"] == "sglang 0.5.23"
+        assert receipt["mode"] == mode and receipt["layer"].endswith(".gdn.attn"), receipt
+        assert set(receipt["request_ids"]) <= {"a", "b", "c", "d"}, receipt
