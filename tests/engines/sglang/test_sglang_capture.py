@@ -2,7 +2,8 @@
 captured workload against its definition's reference: each must PASS within the
 definition's tolerance. One armed SGLang run per model (``sglang_capture_run.py``).
 
-Qwen3-Next: Gemma-style norms, the softmax router and the gated delta rule at SGLang's
+Qwen3-Next: Gemma-style norms, RadixAttention extend and decode (keys and values read
+back from SGLang's token pool), the softmax router and the gated delta rule at SGLang's
 GDN dispatcher (prefill and decode). DeepSeek-V3: its norms; its grouped sigmoid router
 computes the sigmoid in bf16 and is not captured (see ``probes/moe.py``).
 """
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 EXPECTED = {
     "qwen3_next": {"rmsnorm_offset", "fused_add_rmsnorm_offset", "moe_topk_softmax",
-                   "gdn_prefill", "gdn_decode"},
+                   "gdn_prefill", "gdn_decode", "gqa_ragged_prefill", "gqa_paged_decode"},
     "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm"},
 }
 
