@@ -4,8 +4,9 @@ definition's tolerance. One armed SGLang run per model (``sglang_capture_run.py`
 
 Qwen3-Next: Gemma-style norms, RadixAttention extend and decode (keys and values read
 back from SGLang's token pool), the softmax router and the gated delta rule at SGLang's
-GDN dispatcher (prefill and decode). DeepSeek-V3: its norms; its grouped sigmoid router
-computes the sigmoid in bf16 and is not captured (see ``probes/moe.py``).
+GDN dispatcher (prefill and decode). DeepSeek-V3: its norms and MLA's absorbed decode
+(the latent cache read back from SGLang's pool); its grouped sigmoid router computes the
+sigmoid in bf16 and is not captured (see ``probes/moe.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 EXPECTED = {
     "qwen3_next": {"rmsnorm_offset", "fused_add_rmsnorm_offset", "moe_topk_softmax",
                    "gdn_prefill", "gdn_decode", "gqa_ragged_prefill", "gqa_paged_decode"},
-    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm"},
+    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "mla_paged_decode"},
 }
 
 

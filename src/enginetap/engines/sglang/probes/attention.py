@@ -9,8 +9,14 @@ after the call, each request's keys and values are read back from the pool at it
 (``req_to_token[req_pool_index, :seq_len]``), so the workload holds exactly what the
 kernel read. SGLang's pool is flat (one token per slot): for the paged decode definition
 the request's slots are compacted into pages of one token, renumbered in order.
-Plain causal attention only (no logit cap, sliding window, cross attention, or MLA's
-``k_rope`` form); TP=1.
+Plain causal attention only (no logit cap, sliding window, cross attention); TP=1.
+
+MLA (DeepSeek-V3) calls the same ``RadixAttention`` in its absorbed form: the query is
+``[q_nope (kv_lora_rank), q_pe (rope)]`` per head, one latent key head ``[ckv, kpe]`` and
+the latent ``ckv`` as the value (head dims 576 / 512). On decode that is the
+``mla_paged_decode`` definition, the latent cache read back from the pool split into
+``ckv`` and ``kpe``; SGLang's fused-rope form (``q_rope``/``k_rope`` keyword arguments,
+the AMX path) and the absorbed extend are not captured.
 """
 
 from __future__ import annotations
@@ -43,6 +49,53 @@ def _plain(call: ProbeCall) -> bool:
             and "k_rope" not in kwargs and args.get("save_kv_cache", True)
             and args.get("k") is not None and call.step.world_size == 1
             and DTYPES.get(args["q"].dtype) is not None)
+
+
+def _mla(call: ProbeCall) -> bool:
+    """The absorbed MLA form: one latent key head whose first ``v_head_dim`` are the value."""
+    layer, args = call.instance, call.args
+    kwargs = args.get("kwargs") or {}
+    return (int(layer.tp_k_head_num) == 1 and layer.qk_head_dim > layer.v_head_dim
+            and "k_rope" not in kwargs and "q_rope" not in kwargs
+            and "topk_indices" not in kwargs and args.get("save_kv_cache", True)
+            and args.get("k") is not None and call.step.world_size == 1
+            and DTYPES.get(args["q"].dtype) is not None
+            and not (layer.logit_cap and layer.logit_cap > 0))
+
+
+def _define_mla_decode(call: ProbeCall) -> Definition | None:
+    if not call.args["forward_batch"].forward_mode.is_decode() or not _mla(call):
+        return None
+    layer = call.instance
+    return instantiate("mla_paged_decode", num_qo_heads=int(layer.tp_q_head_num),
+                       head_dim_ckv=int(layer.v_head_dim),
+                       head_dim_kpe=int(layer.qk_head_dim - layer.v_head_dim), page_size=1,
+                       dtype=DTYPES[call.args["q"].dtype])
+
+
+def _adapt_mla_decode(call: ProbeCall) -> Extracted:
+    single_rank(call)
+    layer = call.instance
+    slots, lens = _request_slots(call)
+    latent, _ = _pool(call)
+    ckv = int(layer.v_head_dim)
+    q = call.args["q"].reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    out = call.result[0] if isinstance(call.result, tuple) else call.result
+    every = torch.cat(slots)
+    cache = latent[every].reshape(len(every), 1, layer.qk_head_dim)
+    indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    inputs = {"q_nope": q[..., :ckv].contiguous(), "q_pe": q[..., ckv:].contiguous(),
+              "ckv_cache": cache[..., :ckv].contiguous(),
+              "kpe_cache": cache[..., ckv:].contiguous(), "kv_indptr": indptr,
+              "kv_indices": torch.arange(len(every), dtype=torch.int32),
+              "kv_last_page_len": torch.ones(len(lens), dtype=torch.int32),
+              "sm_scale": float(layer.scaling)}
+    notes = [f"SGLang's latent pool as pages of one token: the requests' {len(every)} slots "
+             "compacted and renumbered 0..n-1 in request order, each split into ckv "
+             f"({ckv}) and kpe ({layer.qk_head_dim - ckv})",
+             "q split the same way (absorbed: q_nope already multiplied by W_UK)",
+             "the backend returns no lse"]
+    return Extracted(inputs, {"output": out.reshape(-1, layer.tp_q_head_num, ckv)}, notes)
 
 
 def _heads(layer: Any) -> dict[str, int]:
@@ -137,4 +190,7 @@ ATTENTION_PROBES = [
     Probe("sglang.attention.decode", "gqa_paged_decode", _define_decode, _adapt_decode,
           target=FORWARD, when="decode",
           description="RadixAttention.forward on a decode batch (radix_attention.py)"),
+    Probe("sglang.mla.decode", "mla_paged_decode", _define_mla_decode, _adapt_mla_decode,
+          target=FORWARD, when="decode",
+          description="RadixAttention.forward, MLA absorbed decode (DeepSeek's attn_mqa)"),
 ]
