@@ -17,8 +17,10 @@ TORCH  := torch==2.13.0
 # SGLang has no CPU build of its kernel package on the registry and its declared dependencies
 # pull CUDA wheels (and torch 2.14): install it without them, then what its CPU path imports.
 # enginetap goes in editable without deps (its own small deps listed here) so the SGLang
-# venv tests this checkout; the sgl_kernel CPU stand-in ships inside enginetap
-# (src/enginetap/engines/sglang/cpu/, docs/sglang.md).
+# venv tests this checkout, with its CPU stand-in for SGLang's kernel package
+# (shims/sgl-kernel-cpu; the code in src/enginetap/engines/sglang/cpu/, docs/sglang.md).
+# The registry's torchvision is a CUDA build: installed without deps, and a .pth hook defines
+# its two op schemas before it loads (SGLang imports it at module load).
 SGL_VENV := .venv-sglang
 SGL_PY   := $(SGL_VENV)/bin/python
 SGL_PIP  := $(SGL_PY) -m pip -q --disable-pip-version-check

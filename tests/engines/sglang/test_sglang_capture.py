@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.sglang.conftest import HERE, child_env, run_child
+from tests.pairwise import side_by_side
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -32,19 +33,19 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from enginetap.models import build_model
 
     root = tmp_path_factory.mktemp("capture-sglang")
-    out = {}
+    jobs = []
     for name in EXPECTED:
         folder = root / name
         folder.mkdir()
         config = {"enabled": True, "capabilities": ["capture"], "out_dir": str(folder),
                   "options": {"capture": {}}}
         (folder / "arming.json").write_text(json.dumps(config))
-        run_child([str(HERE / "sglang_capture_run.py"), str(build_model(name)),
-                   str(folder / "tokens.json")],
-                  child_env({"ENGINETAP_CONFIG": str(folder / "arming.json")}),
-                  folder / "run.log")
-        out[name] = folder / "dataset"
-    return out
+        args = [str(HERE / "sglang_capture_run.py"), str(build_model(name)),
+                str(folder / "tokens.json")]
+        env = child_env({"ENGINETAP_CONFIG": str(folder / "arming.json")})
+        jobs.append(lambda args=args, env=env, log=folder / "run.log": run_child(args, env, log))
+    side_by_side(jobs)  # the two engines at once (one child process each)
+    return {name: root / name / "dataset" for name in EXPECTED}
 
 
 def _families(dataset: Path) -> set[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.sglang.conftest import HERE, child_env, run_child
+from tests.pairwise import side_by_side
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -32,11 +33,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     config = {"enabled": True, "capabilities": ["tap"], "out_dir": str(out / "faults"),
               "options": {"tap": {"max_rows": 256}}}
     (out / "arming.json").write_text(json.dumps(config))
-    run_child([str(HERE / "sglang_tap_run.py"), model, str(out / "faults.json")],
-              child_env({"ENGINETAP_CONFIG": str(out / "arming.json")}), out / "faults.log")
-    run_child(["-m", "enginetap.cli.main", "tap", "run", "--engine", "sglang", "--model",
-               "builtin:llama", "--prompts", "builtin:pairs", "--max-new-tokens", "4",
-               "--out", str(out / "cli")], child_env(), out / "cli.log")
+    build_model("llama")  # built here, not by two children at once
+    side_by_side([  # the two engines at once (one child process each)
+        lambda: run_child([str(HERE / "sglang_tap_run.py"), model, str(out / "faults.json")],
+                          child_env({"ENGINETAP_CONFIG": str(out / "arming.json")}),
+                          out / "faults.log"),
+        lambda: run_child(["-m", "enginetap.cli.main", "tap", "run", "--engine", "sglang",
+                           "--model", "builtin:llama", "--prompts", "builtin:pairs",
+                           "--max-new-tokens", "4", "--out", str(out / "cli")], child_env(),
+                          out / "cli.log")])
     return {"root": out, "faults": out / "faults", "cli": out / "cli"}
 
 
