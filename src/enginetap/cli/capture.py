@@ -21,7 +21,8 @@ def capture(
     profile: Annotated[str, typer.Option(
         help="Traffic: a profile file, builtin:NAME, mooncake:FILE or agentx:FILE.")
     ] = "builtin:mooncake-tiny",
-    engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
+    engine: Annotated[str, typer.Option(help="builtin (transformers), vllm or sglang.")
+                      ] = "builtin",
     definitions: Annotated[Optional[list[str]], typer.Option(
         "--definitions", help="Families or definition names to capture (repeatable).")] = None,
     policy: Annotated[str, typer.Option(help="Selection policy name.")] = "default",
@@ -34,9 +35,9 @@ def capture(
     from enginetap.errors import ConfigError
     from enginetap.jobs.capture import CaptureJob, run_capture
 
-    if engine not in ("builtin", "vllm"):
-        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
-                          "pass --engine builtin or --engine vllm")
+    if engine not in ("builtin", "vllm", "sglang"):
+        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin, vllm and sglang",
+                          "pass --engine builtin, vllm or sglang")
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}", f"policies are {', '.join(POLICIES)}",
                           "pass one of them with --policy")

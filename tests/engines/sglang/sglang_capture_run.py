@@ -3,8 +3,8 @@ write each request's output tokens.
 
 ``python sglang_capture_run.py MODEL OUT.json``: two batches of greedy requests (one
 with a shared prefix), 6 new tokens each. SGLang spawns its scheduler and re-imports
-``__main__``, hence the guard. The engine is kept up a moment after the last request so
-that the scheduler's capture writer drains before shutdown stops it.
+``__main__``, hence the guard. The engine is stopped with ``stop_engine`` (the scheduler
+gets SIGTERM first and flushes its capture writer; ``Engine.shutdown`` alone kills it).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 import sys
-import time
 
 
 def prompts(seed: int = 11) -> dict[str, list[int]]:
@@ -29,6 +28,7 @@ def main() -> None:
     import sglang as sgl
 
     from enginetap.engines.sglang.launch import engine_kwargs
+    from enginetap.engines.sglang.run import stop_engine
 
     model, out = sys.argv[1], sys.argv[2]
     engine = sgl.Engine(**engine_kwargs(model))
@@ -39,8 +39,7 @@ def main() -> None:
                                sampling_params={"max_new_tokens": 6, "temperature": 0.0,
                                                 "ignore_eos": True})
         outputs.update({k: d["output_ids"] for k, d in zip(batch, done)})
-    time.sleep(3.0)
-    engine.shutdown()
+    stop_engine(engine)
     with open(out, "w") as f:
         json.dump(outputs, f)
 

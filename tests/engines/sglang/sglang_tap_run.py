@@ -94,6 +94,7 @@ def main() -> None:
     import sglang as sgl
 
     from enginetap.engines.sglang.launch import engine_kwargs
+    from enginetap.engines.sglang.run import stop_engine
 
     model, out = sys.argv[1], sys.argv[2]
     os.environ[WRITTEN] = out + ".written"
@@ -102,7 +103,7 @@ def main() -> None:
     report: dict[str, Any] = {"same": run_phase(engine, "same", texts),
                               "row": run_phase(engine, "row", texts),
                               "again": run_phase(engine, "same", texts, suffix="-again")}
-    engine.shutdown()
+    stop_engine(engine)  # the scheduler exits in order: its tap writer flushes
     with open(out + ".written") as f:
         report["written"] = json.load(f)
     with open(out, "w") as f:

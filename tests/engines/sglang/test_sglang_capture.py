@@ -44,8 +44,22 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 str(folder / "tokens.json")]
         env = child_env({"ENGINETAP_CONFIG": str(folder / "arming.json")})
         jobs.append(lambda args=args, env=env, log=folder / "run.log": run_child(args, env, log))
-    side_by_side(jobs)  # the two engines at once (one child process each)
-    return {name: root / name / "dataset" for name in EXPECTED}
+    build_model("llama")
+    jobs.append(lambda: run_child(  # the capture job: traffic through sglang.Engine
+        ["-m", "enginetap.cli.main", "capture", "--engine", "sglang", "--model",
+         "builtin:llama", "--profile", "builtin:mooncake-tiny", "--max-output-tokens", "4",
+         "--out", str(root / "cli")], child_env(), root / "cli.log"))
+    side_by_side(jobs)  # two engines at a time (one child process each)
+    return {**{name: root / name / "dataset" for name in EXPECTED}, "cli": root / "cli"}
+
+
+def _failures(dataset: Path) -> list[str]:
+    from enginetap.replay.runner import replay_dataset
+
+    report = replay_dataset(dataset, warmup=0, repeats=1)
+    assert not report.problems, report.problems
+    return [f"{d.name} {w.uuid}: {w.status} {[c for c in w.checks if c.status != 'PASS']}"
+            for d in report.definitions for w in d.workloads if w.status != "PASS"]
 
 
 def _families(dataset: Path) -> set[str]:
@@ -58,16 +72,10 @@ def _families(dataset: Path) -> set[str]:
 
 @pytest.mark.parametrize("model", sorted(EXPECTED))
 def test_every_captured_workload_replays_within_tolerance(captured, model) -> None:
-    from enginetap.replay.runner import replay_dataset
-
     dataset = captured[model]
     assert EXPECTED[model] <= _families(dataset), _families(dataset)
-    report = replay_dataset(dataset, warmup=0, repeats=1)
-    assert not report.problems, report.problems
-    failures = [f"{d.name} {w.uuid}: {w.status} {[c for c in w.checks if c.status != 'PASS']}"
-                for d in report.definitions for w in d.workloads if w.status != "PASS"]
+    failures = _failures(dataset)
     assert not failures, "\n".join(failures)
-    assert {d.status for d in report.definitions} == {"PASS"}
 
 
 def test_receipts_name_sglang_its_step_and_the_gated_delta_layer(captured) -> None:
@@ -80,3 +88,22 @@ def test_receipts_name_sglang_its_step_and_the_gated_delta_layer(captured) -> No
         assert receipt["engine_version"] == "sglang 0.5.23"
         assert receipt["mode"] == mode and receipt["layer"].endswith(".gdn.attn"), receipt
         assert set(receipt["request_ids"]) <= {"a", "b", "c", "d"}, receipt
+
+
+def test_capture_engine_sglang_drives_a_mooncake_profile_and_prefixes_hit(captured) -> None:
+    """``enginetap capture --engine sglang``: the traffic job through ``sglang.Engine``
+    (radix cache on), its scheduler armed through the plugin; it exits 0 with a summary,
+    and its prefill workloads include extends over a cached prefix, all replaying."""
+    from enginetap.dataset import Dataset
+
+    dataset = captured["cli"]
+    summary = json.loads((dataset / "enginetap" / "capture-summary-rank0.json").read_text())
+    assert summary and json.loads((dataset / "enginetap" / "capture-run.json").read_text())[
+        "status"] == "complete"
+    assert {"rmsnorm", "gqa_ragged_prefill", "gqa_paged_decode"} <= _families(dataset)
+    store = Dataset(dataset)
+    name = next(n for n in store.definitions() if n.startswith("gqa_ragged_prefill"))
+    axes = [w.workload.axes for w in store.workloads(name)]
+    assert any(a["total_kv"] > a["total_q"] for a in axes), axes  # a radix cache hit
+    failures = _failures(dataset)
+    assert not failures, "\n".join(failures)

@@ -15,7 +15,7 @@ from typing import Any
 
 from enginetap.errors import ConfigError
 
-__all__ = ["record_sglang_run"]
+__all__ = ["SGLangDriver", "check_engine", "record_sglang_run", "start_engine", "stop_engine"]
 
 
 def record_sglang_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
@@ -28,7 +28,8 @@ def record_sglang_run(model: str, prompts: list[str], out: Path, *, batch_size: 
             an architecture enginetap covers on SGLang, or the tap options are invalid.
     """
     from enginetap.config import ARMING_VARS, ArmConfig
-    from enginetap.engines.sglang.launch import COVERED, architecture, check_sglang, engine_kwargs
+    from enginetap.engines.sglang.launch import (COVERED, architecture, check_sglang,
+                                                 engine_kwargs)
 
     check_sglang()
     model_dir = _model_dir(model)
@@ -58,7 +59,7 @@ def record_sglang_run(model: str, prompts: list[str], out: Path, *, batch_size: 
             outputs.extend(list(d["output_ids"]) for d in done)
         return outputs
     finally:
-        engine.shutdown()  # the scheduler exits: its writers flush
+        stop_engine(engine)  # the scheduler exits in order: its writers flush
 
 
 def _model_dir(model: str) -> Path:
@@ -67,3 +68,119 @@ def _model_dir(model: str) -> Path:
 
         return Path(build_model(model.partition(":")[2]))
     return Path(model)
+
+
+class SGLangDriver:
+    """``sglang.Engine`` in this process as a traffic driver (greedy, ``ignore_eos``): a
+    batch is one ``generate`` call with the submissions' keys as request ids (SGLang keeps
+    them, so step records and capture receipts name the profile's requests);
+    ``flush_cache`` between profiles."""
+
+    name = "sglang"
+
+    def __init__(self, engine: Any, max_context: int, vocab_size: int) -> None:
+        self.engine, self.max_context, self.vocab_size = engine, max_context, vocab_size
+
+    def prompts(self, seed: int) -> Any:
+        from enginetap.traffic.prompts import PromptBuilder
+
+        return PromptBuilder(seed, vocab_size=self.vocab_size)
+
+    def reset_prefix_cache(self, attempts: int = 40) -> None:
+        import time
+
+        from enginetap.errors import TrafficError
+
+        for _ in range(attempts):  # SGLang flushes only once its scheduler is idle
+            if getattr(self.engine.flush_cache(), "success", True) is not False:
+                return
+            time.sleep(0.25)
+        raise TrafficError("SGLang did not flush its radix cache",
+                           f"its scheduler was busy {attempts} times",
+                           "let running requests finish before the next profile")
+
+    def submit(self, batch: Any) -> list[Any]:
+        import time
+
+        from enginetap.traffic.drivers import Outcome
+
+        started = time.time()
+        params = [{"max_new_tokens": s.max_tokens, "temperature": 0.0, "ignore_eos": True}
+                  for s in batch]
+        done = self.engine.generate(input_ids=[s.prompt_ids for s in batch],
+                                    rid=[s.key for s in batch], sampling_params=params)
+        finished = time.time()
+        out = []
+        for s, d in zip(batch, done):
+            meta = d.get("meta_info") or {}
+            reason = meta.get("finish_reason")
+            out.append(Outcome(s.key, list(d["output_ids"]),
+                               reason.get("type") if isinstance(reason, dict) else reason,
+                               started, finished, meta.get("cached_tokens")))
+        return out
+
+
+def stop_engine(engine: Any, grace: float = 30.0) -> None:
+    """Shut ``engine`` down so that its scheduler processes flush what enginetap armed there.
+
+    ``Engine.shutdown`` ends its processes with SIGKILL: a capture writer in the scheduler
+    would lose what it had not written, and its summary. The scheduler processes this
+    engine started get SIGTERM first (the capture runtime turns it into an orderly exit
+    that flushes the writer and writes the summary), up to ``grace`` seconds; then the
+    engine shuts down as usual."""
+    import signal
+    import time
+
+    import psutil
+
+    schedulers = [p for p in psutil.Process().children(recursive=True)
+                  if "scheduler" in " ".join(_names(p))]
+    for proc in schedulers:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            continue
+    deadline = time.monotonic() + grace
+    for proc in schedulers:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except (psutil.TimeoutExpired, psutil.NoSuchProcess):
+            continue
+    engine.shutdown()
+
+
+def _names(proc: Any) -> list[str]:
+    try:
+        return [proc.name(), *proc.cmdline()]
+    except Exception:  # noqa: BLE001 - it ended meanwhile
+        return []
+
+
+def check_engine(model_dir: Path) -> None:
+    """One clear line before anything starts: SGLang missing or another version, or a
+    model whose architecture enginetap's SGLang path does not cover.
+
+    Raises:
+        ConfigError: as said.
+    """
+    from enginetap.engines.sglang.launch import COVERED, architecture, check_sglang
+
+    check_sglang()
+    arch = architecture(model_dir)
+    if arch not in COVERED:
+        raise ConfigError(f"{arch} is not covered by enginetap on SGLang",
+                          f"enginetap's SGLang path covers {', '.join(COVERED)}",
+                          "use one of those models, or another engine")
+
+
+def start_engine(model_dir: Path, *, max_running_requests: int = 8,
+                 radix_cache: bool = True) -> Any:
+    """``sglang.Engine`` for ``model_dir`` with enginetap's CPU settings (after
+    :func:`check_engine`)."""
+    from enginetap.engines.sglang.launch import engine_kwargs
+
+    check_engine(model_dir)
+    import sglang
+
+    return sglang.Engine(**engine_kwargs(model_dir, max_running_requests=max_running_requests,
+                                         radix_cache=radix_cache))
