@@ -8,6 +8,9 @@ identical prompts are computed):
 - ``same``: three identical prompts and one other, batched together;
 - ``row``: ``f1`` repeats ``f0``; at the ``ROW_STEP``-th step that holds ``f1``, this test
   code adds 0.5 to one element of ``f1``'s last row of layer 1's MoE block output;
+- ``kv``: after the ``KV_STEP``-th step that holds ``k0`` sampled, this test code writes
+  random values into ``k0``'s newest key row of layer 3 (full attention) in SGLang's token
+  pool and copies ``k0``'s recurrent state over ``k1``'s slot in layer 1;
 - ``again``: before the first step that holds an ``-again`` request this test code
   disarms the scheduler process, and ``same`` runs again (armed vs disarmed tokens).
 
@@ -26,11 +29,13 @@ from typing import Any
 
 ROW_LAYER, ROW_STEP = "L1.moe", 2
 MAX_TOKENS = 5
-PHASES = {"same": ["s0", "s1", "s2", "s3"], "row": ["f0", "f1", "f2"]}
+PHASES = {"same": ["s0", "s1", "s2", "s3"], "row": ["f0", "f1", "f2"], "kv": ["k0", "k1"]}
+KV_LAYER, STATE_LAYER, KV_STEP = 3, 1, 2
 MOE = "sglang.srt.models.qwen2_moe:Qwen2MoeSparseMoeBlock.forward"
 FORWARD = "sglang.srt.model_executor.model_runner:ModelRunner.forward"
 WRITTEN = "ETTEST_SGLANG_WRITTEN"
-SEEN: dict[str, Any] = {"f1": 0, "disarmed": False}
+SAMPLE = "sglang.srt.model_executor.model_runner:ModelRunner.sample"
+SEEN: dict[str, Any] = {"f1": 0, "k0": 0, "disarmed": False}
 
 
 def prompts(seed: int = 3) -> dict[str, list[int]]:
@@ -39,8 +44,9 @@ def prompts(seed: int = 3) -> dict[str, list[int]]:
     def one(n: int) -> list[int]:
         return [rng.randrange(3, 512) for _ in range(n)]
 
-    same, other, f, g = one(40), one(23), one(30), one(12)
-    return {"s0": same, "s1": same, "s2": other, "s3": same, "f0": f, "f1": f, "f2": g}
+    same, other, f, g, k0, k1 = one(40), one(23), one(30), one(12), one(36), one(20)
+    return {"s0": same, "s1": same, "s2": other, "s3": same, "f0": f, "f1": f, "f2": g,
+            "k0": k0, "k1": k1}
 
 
 def _corrupt_row(wrapped, instance, args, kwargs):
@@ -58,6 +64,33 @@ def _corrupt_row(wrapped, instance, args, kwargs):
     with open(os.environ[WRITTEN], "w") as f:
         json.dump({"key": "f1", "step": step.step, "position": step.rows.positions[row]}, f)
     return out
+
+
+def _overwrite_after_sampling(wrapped, runner, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    from enginetap.core.context import current_step
+
+    step = current_step()
+    if step is None or "k0" not in step.rows.keys:
+        return result
+    SEEN["k0"] += 1
+    if SEEN["k0"] != KV_STEP:
+        return result
+    import torch
+
+    row = step.rows.rows_of_key("k0")[-1]
+    slot = step.rows.kv_slots[row]
+    key = runner.token_to_kv_pool.get_key_buffer(KV_LAYER)
+    noise = torch.randn(key[slot].shape, generator=torch.Generator().manual_seed(5))
+    key[slot] = noise.to(key.dtype)
+    ssm = runner.req_to_token_pool.mamba2_layer_cache(STATE_LAYER).temporal
+    victim = step.rows.state_slots[step.rows.rows_of_key("k1")[-1]]
+    ssm[victim].copy_(ssm[step.rows.state_slots[row]])
+    with open(os.environ[WRITTEN] + ".kv", "w") as f:
+        json.dump({"kv": {"key": "k0", "position": step.rows.positions[row], "slot": slot,
+                          "step": step.step},
+                   "state": {"key": "k1", "slot": victim, "step": step.step}}, f)
+    return result
 
 
 def _count_and_disarm(wrapped, runner, args, kwargs):
@@ -79,6 +112,7 @@ def install_faults() -> Any:
     faults = PatchSet("test-faults")
     faults.add(MOE, _corrupt_row)
     faults.add(FORWARD, _count_and_disarm)
+    faults.add(SAMPLE, _overwrite_after_sampling)
     return faults.install()
 
 
@@ -102,10 +136,13 @@ def main() -> None:
     texts = prompts()
     report: dict[str, Any] = {"same": run_phase(engine, "same", texts),
                               "row": run_phase(engine, "row", texts),
+                              "kv": run_phase(engine, "kv", texts),
                               "again": run_phase(engine, "same", texts, suffix="-again")}
     stop_engine(engine)  # the scheduler exits in order: its tap writer flushes
     with open(out + ".written") as f:
         report["written"] = json.load(f)
+    with open(out + ".written.kv") as f:
+        report["written"].update(json.load(f))
     with open(out, "w") as f:
         json.dump(report, f)
 

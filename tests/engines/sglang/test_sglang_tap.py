@@ -5,7 +5,9 @@ One engine run (``sglang_tap_run.py``, see its docstring for the phases), armed 
 sglang`` of the built-in prompt pairs on the tiny Llama. The checks: every sublayer, the
 KV rows written this step and the gated-delta/convolution state around it and the sampler
 are recorded and continuous; a row corrupted by test code in layer 1's MoE block is named
-by the pair analysis (and ``tap report``) at that layer and sublayer; identical requests
+by the pair analysis (and ``tap report``) at that layer and sublayer; a KV row and a
+recurrent-state slot overwritten by test code between steps are named by continuity
+(layer, slot, request, position); identical requests
 never split; armed and disarmed tokens are identical; the CLI run's identical prompts
 agree and it diffs against a built-in-engine run of the same prompts, aligned by request
 and position.
@@ -60,7 +62,8 @@ def test_sublayers_kv_rows_state_and_sampler_are_recorded_and_continuous(runs) -
     assert {"L0.in", "L0.gdn.attn.out", "L0.gdn.out", "L1.moe.experts.out", "L1.moe.out",
             "L3.attn.out", "L3.attn.kv_written", "L3.attn.kv_prev", "L1.gdn.state_before",
             "L1.gdn.state_after", "L1.gdn.conv_before", "L1.gdn.conv_after", "L3.out"} <= names
-    assert check_continuity(rank) == []
+    # only the test's overwrites break continuity (checked exactly below)
+    assert {v.key for v in check_continuity(rank)} == {"k0", "k1"}
     assert check_metadata(rank) == []
     for step in rank.steps:  # greedy: the sampled token is the top logit (or tied with it)
         last = {row["key"]: i for i, row in enumerate(step.rows)}
@@ -88,6 +91,20 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis_and_tap_report(runs) -> N
     assert result.exit_code == 0, result.output
     assert (f"pair f0 / f1: first split at step {fault['step']} position "
             f"{fault['position']}, culprit L1.moe.out") in result.output
+
+
+def test_an_overwritten_kv_row_and_state_slot_are_named(runs) -> None:
+    from enginetap.tap.continuity import check_continuity
+    from enginetap.tap.files import load_run
+
+    rank = load_run(runs["faults"]).rank(0)
+    written = _report(runs)["written"]
+    kv, state = written["kv"], written["state"]
+    found = {(v.kind, v.step, v.checkpoint, v.key, v.slot) for v in check_continuity(rank)}
+    assert found == {("kv", kv["step"] + 1, "L3.attn.kv_written", "k0", kv["slot"]),
+                     ("state", state["step"] + 1, "L1.gdn.state_before", "k1", state["slot"])}
+    (kv_found,) = [v for v in check_continuity(rank) if v.kind == "kv"]
+    assert kv_found.position == kv["position"]
 
 
 def test_armed_and_disarmed_tokens_are_identical(runs) -> None:
