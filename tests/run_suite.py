@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
             rest.kill()
             raise
         rest_code = rest.wait()
-    print(f"\n== rest (pytest -m 'not vllm'): {log_path}", flush=True)
+    print(f"\n== rest (pytest -m 'not vllm and not sglang'): {log_path}", flush=True)
     sys.stdout.write(log_path.read_text(errors="replace"))
     print(f"\n== suite: engines exited {engines}, rest exited {rest_code}, sglang exited "
           f"{sglang if sglang_python else 'not run (no ENGINETAP_SGLANG_PYTHON)'}", flush=True)
