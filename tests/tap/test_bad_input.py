@@ -81,7 +81,7 @@ def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--engine", "sglang"], "unknown engine 'sglang'"),
+    (["--engine", "trtllm"], "unknown engine 'trtllm'"),
     (["--engine", "builtin", "--tp", "2"], "--tp needs --engine vllm"),
     (["--depth", "sublayer"], "unknown depth 'sublayer'"),
 ])

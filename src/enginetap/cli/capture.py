@@ -15,7 +15,7 @@ __all__ = ["capture", "print_capture"]
 
 console = make_console()
 
-DEFAULT_DTYPE = {"builtin": "bfloat16", "vllm": "auto"}
+DEFAULT_DTYPE = {"builtin": "bfloat16", "vllm": "auto", "sglang": "auto"}
 
 
 def capture(
@@ -25,7 +25,8 @@ def capture(
         help="Traffic: builtin:NAME (mooncake-tiny, chat-short, agentic-long), mooncake:FILE, "
              "agentx:FILE or a saved profile FILE; `enginetap traffic list` says what each is.")
     ] = "builtin:mooncake-tiny",
-    engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
+    engine: Annotated[str, typer.Option(help="builtin (transformers), vllm or sglang.")
+                      ] = "builtin",
     definitions: Annotated[Optional[list[str]], typer.Option(
         "--definitions", help="Families or definition names to capture (repeatable).")] = None,
     policy: Annotated[str, typer.Option(help="Selection policy name.")] = "default",
@@ -51,9 +52,9 @@ def capture(
     from enginetap.jobs.capture import CaptureJob, run_capture
     from enginetap.jobs.device import check_device, check_dtype
 
-    if engine not in ("builtin", "vllm"):
-        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
-                          "pass --engine builtin or --engine vllm")
+    if engine not in ("builtin", "vllm", "sglang"):
+        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin, vllm and sglang",
+                          "pass --engine builtin, vllm or sglang")
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}", f"policies are {', '.join(POLICIES)}",
                           "pass one of them with --policy")

@@ -24,7 +24,8 @@ def run(
     model: Annotated[str, typer.Option(help="builtin:NAME or a model folder.")],
     prompts: Annotated[str, typer.Option(help=PROMPTS_HELP)],
     out: Annotated[Path, typer.Option(help="Directory for the tap files.")],
-    engine: Annotated[str, typer.Option(help="builtin (transformers) or vllm.")] = "builtin",
+    engine: Annotated[str, typer.Option(help="builtin (transformers), vllm or sglang.")
+                      ] = "builtin",
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
     max_rows: Annotated[int, typer.Option(min=1)] = 64,
@@ -58,9 +59,9 @@ def run(
     from enginetap.tap.run import (load_prompts, prepare_out, record_run, record_vllm_run,
                                    save_run_command, vector_options)
 
-    if engine not in ("builtin", "vllm"):
-        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin and vllm",
-                          "pass --engine builtin or --engine vllm")
+    if engine not in ("builtin", "vllm", "sglang"):
+        raise ConfigError(f"unknown engine {engine!r}", "engines are builtin, vllm and sglang",
+                          "pass --engine builtin, vllm or sglang")
     if tp > 1 and engine != "vllm":
         raise ConfigError("--tp needs --engine vllm", "the built-in engine runs one rank",
                           "pass --engine vllm, or drop --tp")
@@ -78,7 +79,12 @@ def run(
                "dtype": dtype, "device": device, "depth": depth}
     tap = {"max_rows": max_rows, "depth": depth,
            **vector_options(out, vectors, vector_steps, vector_checkpoints, vector_requests)}
-    if engine == "vllm":
+    if engine == "sglang":
+        from enginetap.engines.sglang.run import record_sglang_run
+
+        outputs = record_sglang_run(model, texts, out, batch_size=batch_size,
+                                    max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)
+    elif engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
     else:

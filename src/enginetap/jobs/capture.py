@@ -38,7 +38,7 @@ from enginetap.jobs.device import require_vllm
 __all__ = ["CaptureJob", "CaptureResult", "RUN_DIR", "run_capture"]
 
 RUN_DIR = "enginetap"
-Engine = Literal["builtin", "vllm"]
+Engine = Literal["builtin", "vllm", "sglang"]
 
 
 @dataclass
@@ -83,6 +83,10 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
         ConfigError, TrafficError, DefinitionError: bad input, before anything is written.
     """
     model_dir = _model_dir(job.model)
+    if job.engine == "sglang":
+        from enginetap.engines.sglang.run import check_engine
+
+        check_engine(model_dir)
     _check_definitions(job, model_dir)
     profile = _profile(job, model_dir)
     if job.engine == "vllm":
@@ -96,8 +100,8 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     (run_dir / "arming.json").write_text(config.model_dump_json(indent=2) + "\n")
     _status(run_dir, "running", job)
     try:
-        report = (_run_builtin if job.engine == "builtin" else _run_vllm)(
-            job, model_dir, profile, config, run_dir, on_engine)
+        runner = {"builtin": _run_builtin, "sglang": _run_sglang}.get(job.engine, _run_vllm)
+        report = runner(job, model_dir, profile, config, run_dir, on_engine)
     except BaseException as exc:
         _status(run_dir, "failed", job, f"{type(exc).__name__}: {exc}")
         raise
@@ -153,7 +157,7 @@ def _profile(job: CaptureJob, model_dir: Path) -> Any:
         raise ConfigError(f"cannot read the context length of {model_dir}", repr(exc),
                           "give a model whose config.json has max_position_embeddings"
                           ) from None
-    if job.engine == "vllm":
+    if job.engine in ("vllm", "sglang"):
         context = min(context, VLLM_MAX_LEN)
     profile = resolve_profile(job.profile, max_context=context,
                               max_output_tokens=job.max_output_tokens, seed=job.seed)
@@ -312,3 +316,27 @@ def _run_vllm(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
         import gc
 
         gc.collect()
+
+
+def _run_sglang(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
+                run_dir: Path, on_engine: Callable[[Any], None] | None) -> Any:
+    """``sglang.Engine`` in this process (radix cache on), its scheduler armed through
+    ``ENGINETAP_CONFIG`` (SGLang's plugin entry point)."""
+    from enginetap.engines.sglang.run import SGLangDriver, start_engine, stop_engine
+    from enginetap.traffic.runner import run_profile
+
+    if job.tp > 1:
+        raise ConfigError("--tp needs --engine vllm", "enginetap's SGLang probes capture TP=1",
+                          "drop --tp")
+    for name in ARMING_VARS:
+        os.environ.pop(name, None)
+    os.environ["ENGINETAP_CONFIG"] = str(run_dir / "arming.json")
+    engine = start_engine(model_dir, dtype=job.dtype or "auto")
+    try:
+        if on_engine is not None:
+            on_engine(engine)
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        return run_profile(profile, SGLangDriver(engine, VLLM_MAX_LEN, vocab),
+                           progress=job.progress, on_send=_labeller(run_dir, profile.name))
+    finally:
+        stop_engine(engine)  # the scheduler exits in order: its capture writer flushes

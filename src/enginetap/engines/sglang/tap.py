@@ -1,0 +1,185 @@
+"""Kernel-level tap points of SGLang (:meth:`SGLangHooks.tap_points`).
+
+- ``Lk.attn.kv_written`` / ``Lk.attn.kv_prev``: after ``RadixAttention.forward`` (the
+  attention backend wrote the step's keys and values into the token pool; the same
+  wrapper records the layer's sublayer checkpoints, as for every sublayer), the key and
+  value of each tapped row read back from its slot (``out_cache_loc``) of the layer's
+  buffers, and those of the request's previous position (its slot from
+  ``req_to_token_pool.req_to_token``). SGLang's pool is flat (``[slots, heads, dim]``;
+  MLA keeps one latent buffer), so rows of any slot compare byte for byte.
+- ``Lk.gdn.state_before`` / ``state_after`` and ``conv_before`` / ``conv_after``: around
+  the gated-delta backend's ``forward_extend`` / ``forward_decode`` (one call per
+  gated-delta layer and step), the recurrent and convolution state of each tapped
+  request's slot, which the kernels update in place.
+- the sampler: the next-token logits ``LogitsProcessor.forward`` returns (one row per
+  request, in the batch's order) of each tapped row's request.
+
+Points are only recorded inside a published step; speculative decoding is not tapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from enginetap.core.patching import bind_arguments
+from enginetap.core.scope import SCOPE
+from enginetap.engines.sglang.runner import current_runner
+from enginetap.tap.recorder import TapRecorder
+
+__all__ = ["ATTENTION", "GDN_DECODE", "GDN_EXTEND", "LOGITS", "tap_points"]
+
+ATTENTION = "sglang.srt.layers.radix_attention:RadixAttention.forward"
+GDN_EXTEND = "sglang.srt.layers.attention.linear.gdn_backend:GDNAttnBackend.forward_extend"
+GDN_DECODE = "sglang.srt.layers.attention.linear.gdn_backend:GDNAttnBackend.forward_decode"
+LOGITS = "sglang.srt.layers.logits_processor:LogitsProcessor.forward"
+_PLAIN = (torch.bfloat16, torch.float16, torch.float32)
+
+Factory = Callable[[TapRecorder, Any], Callable[..., Any]]
+
+
+def tap_points(model: Any) -> list[tuple[str, Factory]]:
+    """The kernel-level points of an SGLang model."""
+    return [(ATTENTION, _kv_wrapper), (GDN_EXTEND, _state_wrapper),
+            (GDN_DECODE, _state_wrapper), (LOGITS, _logits_wrapper)]
+
+
+class _Batch:
+    """Per step: each tapped row's and each tapped request's index among the batch's
+    requests (SGLang's rows of a request are contiguous, requests in batch order)."""
+
+    def __init__(self) -> None:
+        self._step: Any = None
+        self.of_rows: list[int] = []
+        self.of_requests: list[int] = []
+
+    def read(self, recorder: TapRecorder) -> _Batch:
+        if recorder.step is not self._step:
+            self._step = recorder.step
+            starts = recorder.step.rows.query_start
+            order = {s: n for n, s in enumerate(sorted(set(starts)))}
+            self.of_rows = [order[starts[r["row"]]] for r in recorder.rows]
+            last = {r["key"]: n for n, r in enumerate(recorder.rows)}
+            self.of_requests = [self.of_rows[n] for n in last.values()]
+        return self
+
+
+def _name(names: Any, module: Any) -> str | None:
+    return names.get(module) or SCOPE.short(module)
+
+
+def _layer_name(names: Any, layer: Any) -> str | None:
+    """``Lk.attn`` of a RadixAttention (registered as ``Lk.attn.attn``) or its GDN twin."""
+    name = _name(names, layer)
+    if name is None:
+        return None
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else name
+
+
+# -- KV rows -----------------------------------------------------------------------------
+
+
+def _slot_bytes(pool: Any, layer_id: int, slots: torch.Tensor) -> torch.Tensor | None:
+    key = pool.get_key_buffer(layer_id)
+    value = pool.get_value_buffer(layer_id) if hasattr(pool, "get_value_buffer") else None
+    if not isinstance(key, torch.Tensor) or key.dtype not in _PLAIN:
+        return None
+    parts = [key.index_select(0, slots.to(key.device)).reshape(len(slots), -1)]
+    if isinstance(value, torch.Tensor) and value.data_ptr() != key.data_ptr():
+        parts.append(value.index_select(0, slots.to(value.device)).reshape(len(slots), -1))
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+
+
+def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    from enginetap.tap.points import sublayer_wrapper
+
+    batch = _Batch()
+    sublayer = sublayer_wrapper(recorder, names)  # RadixAttention is a sublayer too
+
+    def tap_kv(wrapped: Any, layer: Any, args: tuple, kwargs: dict) -> Any:
+        out = sublayer(wrapped, layer, args, kwargs)
+        if not recorder.options.continuity or not recorder.live:
+            return out
+        call = bind_arguments(wrapped, args, kwargs)
+        forward_batch = call["forward_batch"]
+        name = _layer_name(names, layer)
+        runner = current_runner()
+        pool = getattr(runner, "token_to_kv_pool", None)
+        if name is None or pool is None or not call.get("save_kv_cache", True):
+            return out
+        step = recorder.step
+        index = recorder.index(torch.device("cpu")).tolist()
+        slots = torch.tensor([step.rows.kv_slots[i] for i in index], dtype=torch.long)
+        requests = batch.read(recorder).of_rows
+        pool_rows = forward_batch.req_pool_indices.to(torch.long).cpu()[requests]
+        prev = [max(r["pos"] - 1, 0) for r in recorder.rows]
+        table = runner.req_to_token_pool.req_to_token
+        previous = table[pool_rows.to(table.device),
+                         torch.tensor(prev, dtype=torch.long, device=table.device)]
+        written = _slot_bytes(pool, layer.layer_id, slots)
+        before = _slot_bytes(pool, layer.layer_id, previous.to(torch.long).cpu())
+        if written is not None and before is not None:
+            recorder.checkpoint_rows(f"{name}.kv_written", written)
+            recorder.checkpoint_rows(f"{name}.kv_prev", before)
+        return out
+
+    return tap_kv
+
+
+# -- recurrent state ---------------------------------------------------------------------
+
+
+def _record_states(recorder: TapRecorder, name: str, backend: Any, layer_id: int,
+                   slots: torch.Tensor, when: str) -> None:
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer_id)
+    for label, state in (("state", cache.temporal), ("conv", cache.conv[0])):
+        if isinstance(state, torch.Tensor):
+            recorder.checkpoint_requests(f"{name}.{label}_{when}",
+                                         state.index_select(0, slots.to(state.device)))
+
+
+def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    batch = _Batch()
+
+    def tap_state(wrapped: Any, backend: Any, args: tuple, kwargs: dict) -> Any:
+        if not recorder.options.continuity or not recorder.live:
+            return wrapped(*args, **kwargs)
+        layer = bind_arguments(wrapped, args, kwargs)["layer"]
+        name = _layer_name(names, layer)
+        indices = getattr(backend.forward_metadata, "mamba_cache_indices", None)
+        requests = batch.read(recorder).of_requests
+        if name is None or indices is None or max(requests) >= indices.shape[0]:
+            return wrapped(*args, **kwargs)
+        slots = indices[torch.tensor(requests, dtype=torch.long, device=indices.device)]
+        _record_states(recorder, name, backend, layer.layer_id, slots.to(torch.long), "before")
+        out = wrapped(*args, **kwargs)
+        _record_states(recorder, name, backend, layer.layer_id, slots.to(torch.long), "after")
+        return out
+
+    return tap_state
+
+
+# -- sampler -----------------------------------------------------------------------------
+
+
+def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    batch = _Batch()
+    noted: list[Any] = [None]
+
+    def tap_logits(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:
+        output = wrapped(*args, **kwargs)
+        step = recorder.step if recorder.live else None
+        logits = getattr(output, "next_token_logits", None)
+        if step is None or noted[0] is step or not isinstance(logits, torch.Tensor) \
+                or logits.dim() != 2 or logits.shape[0] != step.extra.get("num_reqs"):
+            return output
+        noted[0] = step
+        rows = torch.tensor(batch.read(recorder).of_rows, dtype=torch.long,
+                            device=logits.device)
+        recorder.note_logits(logits.index_select(0, rows))
+        return output
+
+    return tap_logits
