@@ -8,6 +8,8 @@ prints its path).
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 from dataclasses import replace
 from importlib import resources
@@ -149,14 +151,28 @@ def _saved_profile(spec: str) -> TrafficProfile:
 
 def _trace_kind(path: Path) -> str | None:
     """``mooncake`` when the file's first line is a Mooncake record, ``agentx`` when the
-    file is an AgentX shapes document, else None (only the first 16 MiB are read)."""
-    import json
+    file is an AgentX shapes document, else None (only a regular file is opened, only its
+    first 16 MiB are read, and the JSON is parsed with the untrusted-input bounds)."""
+    from enginetap.core.files import open_regular
+    from enginetap.core.untrusted_json import BadJson, loads_bounded
 
     try:
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            text = handle.read(16 << 20)
+        with open_regular(path) as fd, os.fdopen(os.dup(fd), "rb") as handle:
+            text = handle.read(16 << 20).decode("utf-8", errors="replace")
     except OSError:
         return None
+    for candidate, kind in ((next(iter(text.splitlines()), ""), "mooncake"), (text, "agentx")):
+        try:
+            found = loads_bounded(candidate)
+        except (BadJson, ValueError):
+            continue
+        if not isinstance(found, dict):
+            continue
+        if kind == "mooncake" and {"hash_ids", "input_length"} <= found.keys():
+            return kind
+        if kind == "agentx" and {"profiles", "overlap_profiles"} <= found.keys():
+            return kind
+    return None
     for candidate, kind in ((next(iter(text.splitlines()), ""), "mooncake"), (text, "agentx")):
         try:
             found = json.loads(candidate)
