@@ -6,7 +6,9 @@ Qwen3-Next: Gemma-style norms, RadixAttention extend and decode (keys and values
 back from SGLang's token pool), the softmax router and the gated delta rule at SGLang's
 GDN dispatcher (prefill and decode). DeepSeek-V3: its norms and MLA's absorbed decode
 (the latent cache read back from SGLang's pool); its grouped sigmoid router computes the
-sigmoid in bf16 and is not captured (see ``probes/moe.py``).
+sigmoid in bf16 and is not captured (see ``probes/moe.py``). Both: the routed SwiGLU
+experts at SGLang's torch-native MoE, whose declared rounding reproduces every captured
+element bit for bit while each other scheme does not.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 EXPECTED = {
     "qwen3_next": {"rmsnorm_offset", "fused_add_rmsnorm_offset", "moe_topk_softmax",
-                   "gdn_prefill", "gdn_decode", "gqa_ragged_prefill", "gqa_paged_decode"},
-    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "mla_paged_decode"},
+                   "gdn_prefill", "gdn_decode", "gqa_ragged_prefill", "gqa_paged_decode",
+                   "moe_experts_swiglu"},
+    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "mla_paged_decode", "moe_experts_swiglu"},
 }
 
 
@@ -107,3 +110,34 @@ def test_capture_engine_sglang_drives_a_mooncake_profile_and_prefixes_hit(captur
     assert any(a["total_kv"] > a["total_q"] for a in axes), axes  # a radix cache hit
     failures = _failures(dataset)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("model", sorted(EXPECTED))
+def test_captured_experts_follow_their_declared_rounding_exactly(captured, model) -> None:
+    """SGLang's torch-native MoE (``moe_forward_native``) with float32 routing weights is
+    'each_op_f32_weighting': that scheme reproduces every captured output element; each
+    other scheme misses some (the float32 sum over pairs runs in SGLang's order, which
+    could flip 1 ulp; here it does not)."""
+    from enginetap.dataset import Dataset
+    from enginetap.definitions import get_template
+    from enginetap.definitions.base import compile_reference, params_of
+    from enginetap.definitions.moe import EXPERT_ROUNDING
+
+    store = Dataset(captured[model])
+    names = [n for n in store.definitions() if n.startswith("moe_experts_swiglu_")]
+    assert len(names) == 1, names
+    definition = store.definition(names[0])
+    assert names[0].endswith("_round_each_op_f32_weighting"), names
+    template = get_template("moe_experts_swiglu")
+    consts = {k: a.value for k, a in definition.axes.items() if a.type == "const"}
+    counts, total = dict.fromkeys(EXPERT_ROUNDING, 0), 0
+    for rounding in EXPERT_ROUNDING:
+        other = template.instantiate(**consts, **{**params_of(definition, template),
+                                                  "rounding": rounding})
+        run = compile_reference(other.reference, other.name)
+        for line in store.workloads(names[0]):
+            stored = store.load_outputs(line)["output"]
+            counts[rounding] += int((run(**store.load_inputs(line)) == stored).sum())
+            total += stored.numel() if rounding == "each_op_f32_weighting" else 0
+    assert counts["each_op_f32_weighting"] == total, (counts, total)
+    assert all(c < total for r, c in counts.items() if r != "each_op_f32_weighting"), counts

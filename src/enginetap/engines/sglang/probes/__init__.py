@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from enginetap.capture.probe import Probe
 from enginetap.engines.sglang.probes.attention import ATTENTION_PROBES, ATTENTION_TARGETS
+from enginetap.engines.sglang.probes.experts import EXPERT_PROBES, EXPERT_TARGETS
 from enginetap.engines.sglang.probes.gdn import GDN_PROBES, GDN_TARGETS
 from enginetap.engines.sglang.probes.moe import MOE_PROBES, MOE_TARGETS
 from enginetap.engines.sglang.probes.norms import NORM_PROBES, NORM_TARGETS
 
 __all__ = ["GROUPS", "LOCKED_TARGETS", "PROBES"]
 
-PROBES: list[Probe] = [*NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *GDN_PROBES]
+PROBES: list[Probe] = [*NORM_PROBES, *ATTENTION_PROBES, *MOE_PROBES, *EXPERT_PROBES,
+                       *GDN_PROBES]
 
 LOCKED_TARGETS: tuple[str, ...] = (*NORM_TARGETS, *ATTENTION_TARGETS, *MOE_TARGETS,
-                                   *GDN_TARGETS)
+                                   *EXPERT_TARGETS, *GDN_TARGETS)
 
 GROUPS: tuple[tuple[list[Probe], tuple[str, ...]], ...] = (
     (NORM_PROBES, NORM_TARGETS), (ATTENTION_PROBES, ATTENTION_TARGETS),
-    (MOE_PROBES, MOE_TARGETS), (GDN_PROBES, GDN_TARGETS))
+    (MOE_PROBES, MOE_TARGETS), (EXPERT_PROBES, EXPERT_TARGETS), (GDN_PROBES, GDN_TARGETS))
 """Each probe group with the engine sources it relies on: a drift refuses the group."""
