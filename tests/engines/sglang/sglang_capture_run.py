@@ -1,8 +1,9 @@
 """Run a fixed workload on SGLang CPU (armed or not by the environment the test gives);
 write each request's output tokens.
 
-``python sglang_capture_run.py MODEL OUT.json``: two batches of greedy requests (one
-with a shared prefix), 6 new tokens each. SGLang spawns its scheduler and re-imports
+``python sglang_capture_run.py MODEL OUT.json [radix]``: two batches of greedy requests
+("b" and "d" share a 24-token prefix, one in each batch), 6 new tokens each; with
+``radix`` the radix cache is on, so "d"'s extend runs over "b"'s cached prefix. SGLang spawns its scheduler and re-imports
 ``__main__``, hence the guard. The engine is stopped with ``stop_engine`` (the scheduler
 gets SIGTERM first and flushes its capture writer; ``Engine.shutdown`` alone kills it).
 """
@@ -31,7 +32,8 @@ def main() -> None:
     from enginetap.engines.sglang.run import stop_engine
 
     model, out = sys.argv[1], sys.argv[2]
-    engine = sgl.Engine(**engine_kwargs(model))
+    radix = sys.argv[3:] == ["radix"]
+    engine = sgl.Engine(**engine_kwargs(model, radix_cache=radix))
     texts = prompts()
     outputs = {}
     for batch in (["a", "b"], ["c", "d"]):

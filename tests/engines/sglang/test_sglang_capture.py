@@ -4,8 +4,9 @@ definition's tolerance. One armed SGLang run per model (``sglang_capture_run.py`
 
 Qwen3-Next: Gemma-style norms, RadixAttention extend and decode (keys and values read
 back from SGLang's token pool), the softmax router and the gated delta rule at SGLang's
-GDN dispatcher (prefill and decode). DeepSeek-V3: its norms and MLA's absorbed decode
-(the latent cache read back from SGLang's pool); its grouped sigmoid router computes the
+GDN dispatcher (prefill and decode). DeepSeek-V3 (radix cache on): its norms and MLA's
+absorbed decode and extend, one extend over a cached prefix (the latent cache read back
+from SGLang's pool); its grouped sigmoid router computes the
 sigmoid in bf16 and is not captured (see ``probes/moe.py``). Both: the routed SwiGLU
 experts at SGLang's torch-native MoE, whose declared rounding reproduces every captured
 element bit for bit while each other scheme does not.
@@ -27,7 +28,8 @@ EXPECTED = {
     "qwen3_next": {"rmsnorm_offset", "fused_add_rmsnorm_offset", "moe_topk_softmax",
                    "gdn_prefill", "gdn_decode", "gqa_ragged_prefill", "gqa_paged_decode",
                    "moe_experts_swiglu"},
-    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "mla_paged_decode", "moe_experts_swiglu"},
+    "deepseek_v3": {"rmsnorm", "fused_add_rmsnorm", "mla_paged_decode", "mla_paged_prefill",
+                    "moe_experts_swiglu"},
 }
 
 
@@ -44,7 +46,7 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                   "options": {"capture": {}}}
         (folder / "arming.json").write_text(json.dumps(config))
         args = [str(HERE / "sglang_capture_run.py"), str(build_model(name)),
-                str(folder / "tokens.json")]
+                str(folder / "tokens.json"), *(["radix"] if name == "deepseek_v3" else [])]
         env = child_env({"ENGINETAP_CONFIG": str(folder / "arming.json")})
         jobs.append(lambda args=args, env=env, log=folder / "run.log": run_child(args, env, log))
     build_model("llama")
@@ -91,6 +93,20 @@ def test_receipts_name_sglang_its_step_and_the_gated_delta_layer(captured) -> No
         assert receipt["engine_version"] == "sglang 0.5.23"
         assert receipt["mode"] == mode and receipt["layer"].endswith(".gdn.attn"), receipt
         assert set(receipt["request_ids"]) <= {"a", "b", "c", "d"}, receipt
+
+
+def test_mla_extend_over_a_cached_prefix_is_captured(captured) -> None:
+    """DeepSeek-V3's run has the radix cache on: "d" extends over "b"'s cached prefix,
+    and its absorbed MLA extend is captured with the prefix's latents read back from the
+    pool (its replay is checked with the others above)."""
+    from enginetap.dataset import Dataset
+
+    store = Dataset(captured["deepseek_v3"])
+    name = next(n for n in store.definitions() if n.startswith("mla_paged_prefill"))
+    lines = store.workloads(name)
+    hit = [w for w in lines if w.workload.axes["num_kv_indices"] > w.workload.axes["total_q"]]
+    assert hit, [w.workload.axes for w in lines]
+    assert all(set(w.enginetap.receipt.request_ids) <= {"a", "b", "c", "d"} for w in lines)
 
 
 def test_capture_engine_sglang_drives_a_mooncake_profile_and_prefixes_hit(captured) -> None:

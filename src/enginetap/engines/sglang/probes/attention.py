@@ -98,6 +98,51 @@ def _adapt_mla_decode(call: ProbeCall) -> Extracted:
     return Extracted(inputs, {"output": out.reshape(-1, layer.tp_q_head_num, ckv)}, notes)
 
 
+def _define_mla_extend(call: ProbeCall) -> Definition | None:
+    batch = call.args["forward_batch"]
+    if not batch.forward_mode.is_extend() or batch.forward_mode.is_target_verify() \
+            or not _mla(call) or call.instance.is_cross_attention:
+        return None
+    layer = call.instance
+    return instantiate("mla_paged_prefill", num_qo_heads=int(layer.tp_q_head_num),
+                       head_dim_ckv=int(layer.v_head_dim),
+                       head_dim_kpe=int(layer.qk_head_dim - layer.v_head_dim), page_size=1,
+                       dtype=DTYPES[call.args["q"].dtype])
+
+
+def _adapt_mla_extend(call: ProbeCall) -> Extracted:
+    single_rank(call)
+    layer = call.instance
+    batch = call.args["forward_batch"]
+    slots, lens = _request_slots(call)
+    latent, _ = _pool(call)
+    ckv = int(layer.v_head_dim)
+    q = call.args["q"].reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    out = call.result[0] if isinstance(call.result, tuple) else call.result
+    every = torch.cat(slots)
+    cache = latent[every].reshape(len(every), 1, layer.qk_head_dim)
+    q_lens = [int(x) for x in batch.extend_seq_lens_cpu]
+    inputs = {"q_nope": q[..., :ckv].contiguous(), "q_pe": q[..., ckv:].contiguous(),
+              "ckv_cache": cache[..., :ckv].contiguous(),
+              "kpe_cache": cache[..., ckv:].contiguous(),
+              "qo_indptr": torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(
+                  0, dtype=torch.int32),
+              "kv_indptr": torch.tensor([0, *lens], dtype=torch.int32).cumsum(
+                  0, dtype=torch.int32),
+              "kv_indices": torch.arange(len(every), dtype=torch.int32),
+              "kv_last_page_len": torch.ones(len(lens), dtype=torch.int32),
+              "sm_scale": float(layer.scaling)}
+    notes = [f"SGLang's latent pool as pages of one token, read back after the call: the "
+             f"requests' {len(every)} slots (req_to_token[:seq_len]: cached prefix then this "
+             "step's tokens) compacted and renumbered 0..n-1 in request order, each split "
+             f"into ckv ({ckv}) and kpe ({layer.qk_head_dim - ckv})",
+             "q split the same way (absorbed: q_nope already multiplied by W_UK)",
+             "the backend returns no lse"]
+    if any(p for p in batch.extend_prefix_lens_cpu):
+        notes.append(f"cached prefix per request: {list(batch.extend_prefix_lens_cpu)}")
+    return Extracted(inputs, {"output": out.reshape(-1, layer.tp_q_head_num, ckv)}, notes)
+
+
 def _heads(layer: Any) -> dict[str, int]:
     return {"num_qo_heads": int(layer.tp_q_head_num), "num_kv_heads": int(layer.tp_k_head_num),
             "head_dim": int(layer.qk_head_dim)}
@@ -193,4 +238,7 @@ ATTENTION_PROBES = [
     Probe("sglang.mla.decode", "mla_paged_decode", _define_mla_decode, _adapt_mla_decode,
           target=FORWARD, when="decode",
           description="RadixAttention.forward, MLA absorbed decode (DeepSeek's attn_mqa)"),
+    Probe("sglang.mla.extend", "mla_paged_prefill", _define_mla_extend, _adapt_mla_extend,
+          target=FORWARD, when="prefill",
+          description="RadixAttention.forward, MLA absorbed extend (DeepSeek's attn_mqa)"),
 ]
