@@ -89,8 +89,8 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis_and_tap_report(runs) -> N
     assert all(p.first_step is None for p in find_pairs(rank) if p.keys[0].startswith("s"))
     result = CliRunner().invoke(app, ["tap", "report", str(runs["faults"])])
     assert result.exit_code == 0, result.output
-    assert (f"pair f0 / f1: first split at step {fault['step']} position "
-            f"{fault['position']}, culprit L1.moe.out") in result.output
+    assert (f"split at step {fault['step']} position {fault['position']}: f0 | f1, "
+            "culprit L1.moe.out") in result.output
 
 
 def test_an_overwritten_kv_row_and_state_slot_are_named(runs) -> None:
