@@ -173,15 +173,3 @@ def _trace_kind(path: Path) -> str | None:
         if kind == "agentx" and {"profiles", "overlap_profiles"} <= found.keys():
             return kind
     return None
-    for candidate, kind in ((next(iter(text.splitlines()), ""), "mooncake"), (text, "agentx")):
-        try:
-            found = json.loads(candidate)
-        except ValueError:
-            continue
-        if not isinstance(found, dict):
-            continue
-        if kind == "mooncake" and {"hash_ids", "input_length"} <= found.keys():
-            return kind
-        if kind == "agentx" and {"profiles", "overlap_profiles"} <= found.keys():
-            return kind
-    return None
