@@ -151,9 +151,11 @@ def stop_engine(engine: Any, grace: float = 30.0) -> None:
 
 
 def _names(proc: Any) -> list[str]:
+    import psutil
+
     try:
         return [proc.name(), *proc.cmdline()]
-    except Exception:  # noqa: BLE001 - it ended meanwhile
+    except psutil.Error:  # it ended meanwhile, or is not ours to read
         return []
 
 
