@@ -14,7 +14,7 @@ from typing import Any
 
 from enginetap.core.context import Step
 
-__all__ = ["PrefixTracker", "fill_late_lengths", "row_records", "select_rows"]
+__all__ = ["FlatBatch", "PrefixTracker", "fill_late_lengths", "row_records", "select_rows"]
 
 _PRIME = (1 << 61) - 1
 _BASE = 1_000_003
@@ -97,3 +97,25 @@ def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> li
             record[name] = {group: slots[i] for group, slots in per_group.items()}
         out.append(record)
     return out
+
+
+class FlatBatch:
+    """Per step: each tapped row's and each tapped request's index among the batch's
+    requests, for engines that lay a batch out flat (a request's rows contiguous, requests
+    in batch order: vLLM, SGLang). ``read`` recomputes only when the step changed."""
+
+    def __init__(self) -> None:
+        self._step: Any = None
+        self.of_rows: list[int] = []
+        self.of_requests: list[int] = []
+
+    def read(self, recorder: Any) -> FlatBatch:
+        """``recorder``: the tap recorder (its ``step`` and tapped ``rows``)."""
+        if recorder.step is not self._step:
+            self._step = recorder.step
+            starts = recorder.step.rows.query_start
+            order = {s: n for n, s in enumerate(sorted(set(starts)))}
+            self.of_rows = [order[starts[r["row"]]] for r in recorder.rows]
+            last = {r["key"]: n for n, r in enumerate(recorder.rows)}
+            self.of_requests = [self.of_rows[n] for n in last.values()]
+        return self

@@ -28,6 +28,7 @@ from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
 from enginetap.engines.sglang.runner import current_runner
 from enginetap.tap.recorder import TapRecorder
+from enginetap.tap.rows import FlatBatch
 
 __all__ = ["ATTENTION", "GDN_DECODE", "GDN_EXTEND", "LOGITS", "tap_points"]
 
@@ -44,26 +45,6 @@ def tap_points(model: Any) -> list[tuple[str, Factory]]:
     """The kernel-level points of an SGLang model."""
     return [(ATTENTION, _kv_wrapper), (GDN_EXTEND, _state_wrapper),
             (GDN_DECODE, _state_wrapper), (LOGITS, _logits_wrapper)]
-
-
-class _Batch:
-    """Per step: each tapped row's and each tapped request's index among the batch's
-    requests (SGLang's rows of a request are contiguous, requests in batch order)."""
-
-    def __init__(self) -> None:
-        self._step: Any = None
-        self.of_rows: list[int] = []
-        self.of_requests: list[int] = []
-
-    def read(self, recorder: TapRecorder) -> _Batch:
-        if recorder.step is not self._step:
-            self._step = recorder.step
-            starts = recorder.step.rows.query_start
-            order = {s: n for n, s in enumerate(sorted(set(starts)))}
-            self.of_rows = [order[starts[r["row"]]] for r in recorder.rows]
-            last = {r["key"]: n for n, r in enumerate(recorder.rows)}
-            self.of_requests = [self.of_rows[n] for n in last.values()]
-        return self
 
 
 def _name(names: Any, module: Any) -> str | None:
@@ -96,7 +77,7 @@ def _slot_bytes(pool: Any, layer_id: int, slots: torch.Tensor) -> torch.Tensor |
 def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
     from enginetap.tap.points import sublayer_wrapper
 
-    batch = _Batch()
+    batch = FlatBatch()
     sublayer = sublayer_wrapper(recorder, names)  # RadixAttention is a sublayer too
 
     def tap_kv(wrapped: Any, layer: Any, args: tuple, kwargs: dict) -> Any:
@@ -142,7 +123,7 @@ def _record_states(recorder: TapRecorder, name: str, backend: Any, layer_id: int
 
 
 def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = _Batch()
+    batch = FlatBatch()
 
     def tap_state(wrapped: Any, backend: Any, args: tuple, kwargs: dict) -> Any:
         if not recorder.options.continuity or not recorder.live:
@@ -166,7 +147,7 @@ def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 
 
 def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = _Batch()
+    batch = FlatBatch()
     noted: list[Any] = [None]
 
     def tap_logits(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:

@@ -30,6 +30,7 @@ import torch
 from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
 from enginetap.tap.recorder import TapRecorder
+from enginetap.tap.rows import FlatBatch
 
 __all__ = ["ATTENTION", "GDN", "tap_points"]
 
@@ -47,26 +48,6 @@ def tap_points(model: Any) -> list[tuple[str, Factory]]:
     if callable(getattr(cls, "compute_logits", None)):
         points.append((f"{cls.__module__}:{cls.__qualname__}.compute_logits", _logits_wrapper))
     return points
-
-
-class _Batch:
-    """Per step: each tapped row's and each tapped request's index among the batch's
-    requests (vLLM's rows of a request are contiguous, requests in batch order)."""
-
-    def __init__(self) -> None:
-        self._step: Any = None
-        self.of_rows: list[int] = []
-        self.of_requests: list[int] = []
-
-    def read(self, recorder: TapRecorder) -> _Batch:
-        if recorder.step is not self._step:
-            self._step = recorder.step
-            starts = recorder.step.rows.query_start
-            order = {s: n for n, s in enumerate(sorted(set(starts)))}
-            self.of_rows = [order[starts[r["row"]]] for r in recorder.rows]
-            last = {r["key"]: n for n, r in enumerate(recorder.rows)}
-            self.of_requests = [self.of_rows[n] for n in last.values()]
-        return self
 
 
 def _name(names: Any, module: Any) -> str | None:
@@ -107,7 +88,7 @@ def _slot_bytes(kv_cache: torch.Tensor, isa: str, slots: torch.Tensor) -> torch.
 
 
 def _previous_slots(recorder: TapRecorder, meta: Any, block_size: int,
-                    batch: _Batch) -> torch.Tensor:
+                    batch: FlatBatch) -> torch.Tensor:
     """The slot of each tapped row's previous position (its own at position 0)."""
     table = meta.block_table
     prev = [max(r["pos"] - 1, 0) for r in recorder.rows]
@@ -120,7 +101,7 @@ def _previous_slots(recorder: TapRecorder, meta: Any, block_size: int,
 
 
 def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = _Batch()
+    batch = FlatBatch()
 
     def tap_kv(wrapped: Any, impl: Any, args: tuple, kwargs: dict) -> Any:
         out = wrapped(*args, **kwargs)
@@ -156,7 +137,7 @@ def _record_states(recorder: TapRecorder, name: str, layer: Any, slots: torch.Te
 
 
 def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = _Batch()
+    batch = FlatBatch()
 
     def tap_state(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:
         if not recorder.options.continuity or not recorder.live:
@@ -183,7 +164,7 @@ def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 
 
 def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = _Batch()
+    batch = FlatBatch()
     noted: list[Any] = [None]
 
     def tap_logits(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
