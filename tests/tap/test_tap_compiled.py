@@ -44,6 +44,7 @@ def run(tmp_path: Path) -> Iterator[Run]:
         config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                            options={"tap": {}, "step": {"record": False}}) if armed else None
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()  # graph breaks of this run only
         try:
             engine = HFEngine.from_builtin(model, dtype=torch.float32, prefix_cache_size=0,
                                            arm=config, compile=compile)

@@ -135,6 +135,8 @@ class TapRecorder:
         unsubscribe(self.begin)
         unsubscribe(self.end)
         unsubscribe(self.waiting)
+        if self.compiled is not None:  # its hooks leave the compiled model
+            self.compiled.detach()
         self._clear()
         self._apply_flags()
         self.sink.close()

@@ -62,6 +62,8 @@ class HFEngine:
 
     Armed by the same :class:`~enginetap.config.ArmConfig` as vLLM (``arm=``, or the
     process's ``ENGINETAP_*`` arming by default; see :mod:`enginetap.engines.hf.arming`).
+    ``compile=True`` (or a torch.compile backend's name) compiles its decoder stack; an
+    armed tap then records inside the graph (docs/tap.md, *Under torch.compile*).
 
     Raises:
         ConfigError: ``model_dir`` holds no loadable transformers model, or the arming
@@ -76,7 +78,8 @@ class HFEngine:
         self.arming = arm_process(arm)
         self.model_dir = Path(model_dir)
         model, tokenizer = _load(self.model_dir, torch.device(device), dtype)
-        self._setup(model, tokenizer, prefix_cache_size, compile)
+        self._setup(model, tokenizer, prefix_cache_size)
+        self._maybe_compile(compile)
 
     @classmethod
     def from_loaded(cls, model: Any, tokenizer: Any = None, *, prefix_cache_size: int = 16,
@@ -91,18 +94,15 @@ class HFEngine:
         engine = cls.__new__(cls)
         engine.arming = arm_process(arm)
         engine.model_dir = Path(str(getattr(model.config, "_name_or_path", "") or "."))
-        engine._setup(model.eval(), tokenizer, prefix_cache_size, compile)
+        engine._setup(model.eval(), tokenizer, prefix_cache_size)
+        engine._maybe_compile(compile)
         return engine
 
-    def _setup(self, model: Any, tokenizer: Any, prefix_cache_size: int,
-               compile: bool | str = False) -> None:
+    def _setup(self, model: Any, tokenizer: Any, prefix_cache_size: int) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         if self.arming is not None:
             self.arming.hooks.model_loaded(self.model)
-        self.compiled = compile
-        if compile:
-            self._compile("inductor" if compile is True else compile)
         config = self.model.config
         self.vocab_size: int = config.vocab_size
         self.max_positions: int = config.max_position_embeddings
@@ -113,13 +113,18 @@ class HFEngine:
         self._reusable: bool | None = None  # known after the first prefill shows the cache
         self._steps = 0
 
+    def _maybe_compile(self, compile: bool | str) -> None:
+        self.compiled = compile
+        if compile:
+            self._compile("inductor" if compile is True else compile)
+
     def _compile(self, backend: str) -> None:
         """torch.compile the decoder stack's forward (the model's ``model``: embeddings,
         layers, final norm) in place with ``backend`` (``compile=True``: inductor; a
         backend's name, e.g. ``"aot_eager"``: the same kernels as eager), dynamic shapes
         from the start (one graph for every batch and length); the LM head and sampling
-        stay eager. An armed tap
-        moves its checkpoints into the compiled graph (:mod:`enginetap.tap.compiled`)."""
+        stay eager. An armed tap moves its checkpoints into the compiled graph
+        (:mod:`enginetap.tap.compiled`)."""
         decoder = getattr(self.model, "model", None)
         if not isinstance(decoder, torch.nn.Module):
             raise ConfigError("cannot compile", f"{type(self.model).__name__} has no "
