@@ -79,6 +79,10 @@ def run(
     if mode != "eager" and engine != "builtin":
         raise ConfigError(f"--mode {mode} needs --engine builtin", f"{engine} is tapped in "
                           "its own (eager) mode here", "drop --mode, or pass --engine builtin")
+    if mode == "compile" and (vectors != "off" or vector_steps):
+        raise ConfigError("--mode compile writes no raw rows", "its checkpoints are hashed "
+                          "inside the compiled graph, no rows are staged",
+                          "drop --vectors / --vector-steps, or run --mode eager")
     texts = load_prompts(prompts)
     if engine == "vllm":
         require_vllm("tap")

@@ -581,7 +581,8 @@ class TapRecorder:
         dropped += self.late_dropped
         if dropped:
             head["dropped"] = dropped
-        if (self.vectors is None and launched and self.compiled is None and all(d.type == "cuda" for d, *_ in launched)
+        if (self.vectors is None and launched and self.compiled is None
+                and all(d.type == "cuda" for d, *_ in launched)
                 and all(d in by_device for d, _ in self.sampler)):
             return self._transfer_later(launched, head, k)
         self._apply_flags()
