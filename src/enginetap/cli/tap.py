@@ -39,6 +39,9 @@ def run(
     depth: Annotated[str, typer.Option(
         help="sublayers (every sublayer's output) or layers (decoder layers' input and "
              "output only: about a third of the checkpoints).")] = "sublayers",
+    mode: Annotated[str, typer.Option(
+        help="Built-in engine: eager (default) or compile (torch.compile of the decoder "
+             "stack, checkpoints hashed in the graph).")] = "eager",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace a previous run's tap files in --out (refused without).")
     ] = False,
@@ -70,13 +73,23 @@ def run(
     if depth not in ("sublayers", "layers"):
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
+    if mode not in ("eager", "compile"):
+        raise ConfigError(f"unknown mode {mode!r}", "the built-in engine runs eager or "
+                          "compiled", "pass --mode eager or --mode compile")
+    if mode != "eager" and engine != "builtin":
+        raise ConfigError(f"--mode {mode} needs --engine builtin", f"{engine} is tapped in "
+                          "its own (eager) mode here", "drop --mode, or pass --engine builtin")
+    if mode == "compile" and (vectors != "off" or vector_steps):
+        raise ConfigError("--mode compile writes no raw rows", "its checkpoints are hashed "
+                          "inside the compiled graph, no rows are staged",
+                          "drop --vectors / --vector-steps, or run --mode eager")
     texts = load_prompts(prompts)
     if engine == "vllm":
         require_vllm("tap")
     prepare_out(out, force=force)
     command = {"engine": engine, "model": model, "prompts": prompts, "batch_size": batch_size,
                "max_new_tokens": max_new_tokens, "max_rows": max_rows, "tp": tp,
-               "dtype": dtype, "device": device, "depth": depth}
+               "dtype": dtype, "device": device, "depth": depth, "mode": mode}
     tap = {"max_rows": max_rows, "depth": depth,
            **vector_options(out, vectors, vector_steps, vector_checkpoints, vector_requests)}
     if engine == "sglang":
@@ -89,7 +102,8 @@ def run(
                                   max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
-                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device)
+                             max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device,
+                             compile=mode == "compile")
     save_run_command(out, command)
     typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
 

@@ -95,6 +95,9 @@ class TapRecorder:
         self._plans: dict[str, QuickPlan] = {}
         """By step kind: the plan of its last quick step's list (see :class:`QuickPlan`)."""
         self.last_quick = False
+        self.compiled: Any = None
+        """A compiled engine's checkpoints (:class:`~enginetap.tap.compiled.CompiledTap`),
+        hashed in the graph and collected at step end."""
         self._clear()
 
     def _clear(self) -> None:
@@ -132,6 +135,8 @@ class TapRecorder:
         unsubscribe(self.begin)
         unsubscribe(self.end)
         unsubscribe(self.waiting)
+        if self.compiled is not None:  # its hooks leave the compiled model
+            self.compiled.detach()
         self._clear()
         self._apply_flags()
         self.sink.close()
@@ -176,6 +181,8 @@ class TapRecorder:
             if deferred is not None:
                 deferred.reset(step.mode, step.step)
         self._start_quick(step)
+        if self.compiled is not None and self.live:
+            self.compiled.begin(self.padded, torch.tensor(self.token_index, dtype=torch.int64))
 
     def _start_quick(self, step: Step) -> None:
         """Run ``step`` quick where it can be: every checkpoint deferrable is only listed
@@ -565,12 +572,17 @@ class TapRecorder:
                              torch.cat([hashes.flatten(), checks, *extra]), extra))
         gone = set(dropped)
         order = [name for _, name in self.names if name not in gone]
+        if self.compiled is not None:  # hashed in the graph: one read of its buffer
+            names, hashes = self.compiled.collect(k)
+            order = names + order
+            host.append((names, hashes.flatten(), 0))
         head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": self.rows,
                 "checkpoints": order, "sampled": dict(step.sampled)}
         dropped += self.late_dropped
         if dropped:
             head["dropped"] = dropped
-        if (self.vectors is None and launched and all(d.type == "cuda" for d, *_ in launched)
+        if (self.vectors is None and launched and self.compiled is None
+                and all(d.type == "cuda" for d, *_ in launched)
                 and all(d in by_device for d, _ in self.sampler)):
             return self._transfer_later(launched, head, k)
         self._apply_flags()
@@ -587,7 +599,7 @@ class TapRecorder:
             if self.vectors is not None:
                 self.vectors.maybe_dump(step.step, self.rows, names, self._staging[device],
                                         flat[:len(names) * k])
-        host += [([], p.cpu(), 1) for d, p in self.sampler if d not in by_device]
+        host += [([], p.flatten().cpu(), 1) for d, p in self.sampler if d not in by_device]
         return lambda: _format(head, host, k)
 
     def _transfer_later(self, launched: list[tuple[torch.device, list[str], torch.Tensor,
@@ -688,6 +700,9 @@ class TapRecorder:
             "cuda_graphs": capturing(), "eager": not capturing(),
             "torch": torch.__version__, "host": platform.node(),
         }
+        if self.compiled is not None:
+            header["compiled"] = "torch.compile"
+            header["not_placed"] = self.compiled.not_placed
         self.sink.submit(lambda: header, -1)
         if step.extra.get("compiled"):
             logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "

@@ -186,7 +186,7 @@ def _base_command(command: dict[str, Any] | None, **change: Any) -> str:
     c = {**command, **change}
     flags = [("engine", None), ("model", None), ("prompts", None), ("batch_size", None),
              ("max_new_tokens", None), ("max_rows", 64), ("tp", 1), ("depth", "sublayers"),
-             ("device", "cpu"), ("dtype", "auto")]
+             ("device", "cpu"), ("dtype", "auto"), ("mode", "eager")]
     parts = ["enginetap tap run"] + [f"--{k.replace('_', '-')} {shlex.quote(str(c[k]))}"
                                      for k, plain in flags
                                      if c.get(k) is not None and c.get(k) != plain]

@@ -182,9 +182,11 @@ def run_facts(engine: str, model: str, prompts: list[str], *, batch_size: int,
 
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
-               dtype: str = "float32", device: str = "cpu") -> list[list[int]]:
+               dtype: str = "float32", device: str = "cpu",
+               compile: bool = False) -> list[list[int]]:
     """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine on
-    ``device``, writing the tap files to ``out``; returns the output tokens in prompt order.
+    ``device`` (``compile``: its decoder stack torch.compiled), writing the tap files to
+    ``out``; returns the output tokens in prompt order.
 
     Raises:
         ConfigError: the model or the tap options are invalid.
@@ -202,7 +204,7 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                        options={"tap": tap, "step": {"record": False}})
     kwargs = {"dtype": getattr(torch, dtype), "device": device, "prefix_cache_size": 0,
-              "arm": config}
+              "arm": config, "compile": compile}
     try:
         engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
                   if model.startswith("builtin:") else HFEngine(model, **kwargs))

@@ -62,6 +62,8 @@ class HFEngine:
 
     Armed by the same :class:`~enginetap.config.ArmConfig` as vLLM (``arm=``, or the
     process's ``ENGINETAP_*`` arming by default; see :mod:`enginetap.engines.hf.arming`).
+    ``compile=True`` (or a torch.compile backend's name) compiles its decoder stack; an
+    armed tap then records inside the graph (docs/tap.md, *Under torch.compile*).
 
     Raises:
         ConfigError: ``model_dir`` holds no loadable transformers model, or the arming
@@ -70,17 +72,18 @@ class HFEngine:
 
     def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.bfloat16, prefix_cache_size: int = 16,
-                 arm: ArmConfig | None = None) -> None:
+                 arm: ArmConfig | None = None, compile: bool | str = False) -> None:
         # Arm before the model is built (patches on layer classes must precede it):
         # ``arm`` or, by default, the process's ENGINETAP_* arming.
         self.arming = arm_process(arm)
         self.model_dir = Path(model_dir)
         model, tokenizer = _load(self.model_dir, torch.device(device), dtype)
         self._setup(model, tokenizer, prefix_cache_size)
+        self._maybe_compile(compile)
 
     @classmethod
     def from_loaded(cls, model: Any, tokenizer: Any = None, *, prefix_cache_size: int = 16,
-                    arm: ArmConfig | None = None) -> HFEngine:
+                    arm: ArmConfig | None = None, compile: bool | str = False) -> HFEngine:
         """An engine over a transformers causal LM already in memory (benchmarks build
         real-width random-weight models on the device this way). Arming happens here,
         after the model was built: capabilities patch classes, so that is equivalent.
@@ -92,6 +95,7 @@ class HFEngine:
         engine.arming = arm_process(arm)
         engine.model_dir = Path(str(getattr(model.config, "_name_or_path", "") or "."))
         engine._setup(model.eval(), tokenizer, prefix_cache_size)
+        engine._maybe_compile(compile)
         return engine
 
     def _setup(self, model: Any, tokenizer: Any, prefix_cache_size: int) -> None:
@@ -108,6 +112,32 @@ class HFEngine:
         self.prefix_cache = PrefixCache(prefix_cache_size)
         self._reusable: bool | None = None  # known after the first prefill shows the cache
         self._steps = 0
+
+    def _maybe_compile(self, compile: bool | str) -> None:
+        self.compiled = compile
+        if compile:
+            self._compile("inductor" if compile is True else compile)
+
+    def _compile(self, backend: str) -> None:
+        """torch.compile the decoder stack's forward (the model's ``model``: embeddings,
+        layers, final norm) in place with ``backend`` (``compile=True``: inductor; a
+        backend's name, e.g. ``"aot_eager"``: the same kernels as eager), dynamic shapes
+        from the start (one graph for every batch and length); the LM head and sampling
+        stay eager. An armed tap moves its checkpoints into the compiled graph
+        (:mod:`enginetap.tap.compiled`)."""
+        decoder = getattr(self.model, "model", None)
+        if not isinstance(decoder, torch.nn.Module):
+            raise ConfigError("cannot compile", f"{type(self.model).__name__} has no "
+                              "decoder stack at .model", "run it with compile=False")
+        if self.arming is not None:
+            from enginetap.tap.arming import TapInstall
+            from enginetap.tap.compiled import CompiledTap
+
+            for installed in self.arming.installed:
+                if isinstance(installed, TapInstall):
+                    CompiledTap(installed.recorder, installed.names, decoder,
+                                installed.targets, self.device).attach()
+        decoder.compile(backend=backend, dynamic=True)
 
     @classmethod
     def from_builtin(cls, name: str, *, seed: int = 0, **kwargs: Any) -> HFEngine:
