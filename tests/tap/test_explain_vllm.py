@@ -1,12 +1,14 @@
-"""``enginetap tap explain`` on vLLM CPU: a planted batch-position-dependent norm is named
-batch-variant, and REPRO replays showing the same difference (``vllm_explain_run.py``: two
-engine starts, the recording and the re-run)."""
+"""``enginetap tap explain`` on vLLM CPU, one planted cause per test (``vllm_explain_run.py``:
+two engine starts each, the recording and the re-run): a batch-position-dependent norm is
+named batch-variant, a norm adding fresh noise nondeterministic; REPRO replays showing the same
+difference."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,15 +20,43 @@ HERE = Path(__file__).parent
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_a_batch_position_dependent_norm_on_vllm_is_batch_variant(
-        vllm_lock: None, tmp_path: Path) -> None:
+def explain_case(case: str, out: Path) -> dict[str, Any]:
+    """Record the case's planted run, explain pair p0/p1 of it; the command's JSON result."""
     sys.path.insert(0, str(HERE.parent / "engines" / "vllm"))
     from vllm_harness import child_env, run_script
 
     script = str(HERE / "vllm_explain_run.py")
-    run_script([script, "record", str(tmp_path)], child_env(), tmp_path / "record.log")
-    text = run_script([script, "explain", str(tmp_path)], child_env(), tmp_path / "explain.log")
-    result = json.loads(text[text.index("{\n"):text.rindex("}") + 1])
+    run_script([script, "record", str(out), case], child_env(), out / "record.log")
+    text = run_script([script, "explain", str(out), case], child_env(), out / "explain.log")
+    return json.loads(text[text.index("{\n"):text.rindex("}") + 1])
+
+
+def repro_lines(repro: Path) -> dict[tuple[str, str], Any]:
+    """REPRO's first workload line of each (configuration, side) its receipts name."""
+    dataset = Dataset(repro)
+    lines: dict[tuple[str, str], Any] = {}
+    for name in dataset.definitions():
+        for line in dataset.workloads(name):
+            assert line.enginetap is not None
+            notes = line.enginetap.receipt.notes
+            lines.setdefault((notes["config"], notes["side"]), line)
+    return lines
+
+
+def engine_checks(repro: Path) -> dict[str, Any]:
+    """uuid → the replay of the engine's stored outputs against the reference."""
+    return {w.uuid: w for d in replay_dataset(repro, repeats=1, warmup=0).definitions
+            for w in d.workloads}
+
+
+def engine_error(workload: Any) -> float:
+    return max(c.comparison.max_abs_error or 0.0 for c in workload.checks
+               if c.check == "engine" and c.comparison is not None)
+
+
+def test_a_batch_position_dependent_norm_on_vllm_is_batch_variant(
+        vllm_lock: None, tmp_path: Path) -> None:
+    result = explain_case("batch", tmp_path)
     assert result["kind"] == "batch-variant", result
     assert "RMSNorm.forward" in result["verdict"] and "in L0.in_norm" in result["verdict"]
     assert result["finding"].startswith("pair p0/p1 at step 0"), result
@@ -51,3 +81,23 @@ def test_a_batch_position_dependent_norm_on_vllm_is_batch_variant(
               for w in d.workloads}
     assert errors[lines[("copies", "p0")].workload.uuid] > \
         errors[lines[("alone", "p0")].workload.uuid]
+
+
+def test_run_to_run_noise_in_a_norm_on_vllm_is_nondeterministic(
+        vllm_lock: None, tmp_path: Path) -> None:
+    result = explain_case("noise", tmp_path)
+    assert result["kind"] == "nondeterministic", result
+    assert "RMSNorm.forward" in result["verdict"] and "in L0.in_norm" in result["verdict"]
+    assert result["finding"].startswith("pair p0/p1 at step 0"), result
+    # REPRO's bytes: p0 alone, twice, on the same input gives two outputs
+    dataset = Dataset(tmp_path / "repro")
+    lines = repro_lines(tmp_path / "repro")
+    first, again = lines[("alone", "p0")], lines[("alone again", "p0")]
+    assert torch.equal(dataset.load_inputs(first)["hidden_states"],
+                       dataset.load_inputs(again)["hidden_states"])
+    assert not torch.equal(dataset.load_outputs(first)["output"],
+                           dataset.load_outputs(again)["output"])
+    # and the replay against the reference sees two errors for one input
+    checks = engine_checks(tmp_path / "repro")
+    assert engine_error(checks[first.workload.uuid]) != engine_error(checks[again.workload.uuid])
+

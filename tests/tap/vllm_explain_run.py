@@ -1,11 +1,14 @@
-"""``python vllm_explain_run.py record|explain OUT``: a vLLM CPU tap run with a planted
-batch-position-dependent norm, then ``enginetap tap explain`` on it (two processes: vLLM's
-arming is per process). The engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the plant, test code, is under every call.
+"""``python vllm_explain_run.py record|explain OUT [CASE]``: a vLLM CPU tap run with a
+planted cause, then ``enginetap tap explain`` on it (two processes: vLLM's arming is per
+process). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+the plant, test code, is under every call.
 
-The plant: ``RMSNorm.forward(x)`` (no residual: the first layer's input norm) adds
-``0.01 * i`` to token row ``i`` of the flat batch, so identical prompts at other offsets
-differ there.
+The plants (CASE):
+
+- ``batch`` (the default): ``RMSNorm.forward(x)`` (no residual: the first layer's input
+  norm) adds ``0.01 * i`` to token row ``i`` of the flat batch, so identical prompts at
+  other offsets differ there;
+- ``noise``: the same norm adds fresh noise on every call of more than one token row.
 """
 
 from __future__ import annotations
@@ -27,24 +30,38 @@ def by_token_row(wrapped, instance, args, kwargs):
     return out
 
 
-def main(phase: str, out: Path) -> None:
+def noisy(wrapped, instance, args, kwargs):
+    import torch
+
+    out = wrapped(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] > 1:
+        out = out + 0.01 * torch.randn_like(out)
+    return out
+
+
+CASES = {"batch": ("builtin:llama", NORM, by_token_row, 2),
+         "noise": ("builtin:llama", NORM, noisy, 2)}
+
+
+def main(phase: str, out: Path, case: str) -> None:
     from enginetap.core.patching import PatchSet
 
+    model, target, wrapper, new = CASES[case]
     plant = PatchSet("test-plant")
-    plant.add(NORM, by_token_row)
+    plant.add(target, wrapper)
     plant.install()
     if phase == "record":
         from enginetap.tap.run import record_vllm_run
 
-        record_vllm_run("builtin:llama", SAME, out / "run", batch_size=3, max_new_tokens=2)
+        record_vllm_run(model, SAME, out / "run", batch_size=3, max_new_tokens=new)
         return
     from enginetap.cli.main import main as cli
 
-    sys.argv = ["enginetap", "tap", "explain", str(out / "run"), "--out", str(out / "repro"),
-                "--json"]
+    sys.argv = ["enginetap", "tap", "explain", str(out / "run"), "--pair", "p0/p1", "--out",
+                str(out / "repro"), "--json"]
     cli()
 
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "batch")

@@ -94,6 +94,11 @@ class Probe:
     signature: Callable[..., Any] | None = None
     """A Python function whose parameters describe the target's, for targets without an
     introspectable signature (C builtins such as ``scaled_dot_product_attention``)."""
+    regroup: Callable[[dict[str, Any], list[int]], dict[str, Any]] | None = None
+    """The call's arguments (bound by name) for a batch of its requests ``picks`` (indices
+    in the call's request order, repeats allowed), where picking token rows is not enough:
+    per-request metadata and state slots laid out again (``tap explain``'s calls made
+    again). None: tensors whose first dimension is the step's tokens are picked by row."""
 
     def fires_in(self, step: Step) -> bool:
         return self.when == "both" or step.mode == self.when or step.mode == "mixed"

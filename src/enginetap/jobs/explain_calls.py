@@ -237,7 +237,10 @@ def call_again(caught: Caught, picks: list[int]) -> Extracted:
         size = step.padded_tokens or len(step.rows)
         index = [row for j in picks for row in layout.rows[j]]
         padded, extra = None, dict(step.extra)
-    args = {k: _mapped(v, lambda t: _pick(t, size, index)) for k, v in caught.args.items()}
+    if caught.probe.regroup is not None:  # per-request metadata or state slots
+        args = caught.probe.regroup(caught.args, picks)
+    else:
+        args = {k: _mapped(v, lambda t: _pick(t, size, index)) for k, v in caught.args.items()}
     sub = replace(step, rows=_sub_rows(step, layout, picks), padded_tokens=padded,
                   extra=extra, _device={}, _memo={})
 

@@ -159,11 +159,29 @@ def _adapt_decode(call: ProbeCall) -> Extracted:
     return Extracted(inputs, outputs, _notes(call, args["initial_state_source"], [note]))
 
 
+def _regroup_decode(args: dict[str, Any], picks: list[int]) -> dict[str, Any]:
+    """The decode call for its requests ``picks`` (one token each; the call's decodes are
+    the step's first requests): their tokens, gates and initial states, each pick in a slot
+    of its own in a private pool (a repeated request must not update one slot twice)."""
+    index = torch.tensor(picks, dtype=torch.long, device=args["q"].device)
+    slots = args["initial_state_indices"].to(torch.long)[index]
+    out = dict(args)
+    for name in ("q", "k", "v", "a", "b"):
+        t = args[name]
+        out[name] = t.index_select(1 if t.dim() == 4 else 0, index)
+    out["initial_state_source"] = args["initial_state_source"][slots].clone()
+    out["initial_state_indices"] = torch.arange(len(picks), device=index.device,
+                                                dtype=args["initial_state_indices"].dtype)
+    cu = args["cu_seqlens"]
+    out["cu_seqlens"] = torch.arange(len(picks) + 1, device=cu.device, dtype=cu.dtype)
+    return out
+
+
 GDN_PROBES = [
     Probe("vllm.gdn.prefill", "gdn_prefill", _define_prefill, _adapt_prefill, target=PREFILL,
           when="prefill", before=_before_prefill,
           description="vllm._custom_ops.chunk_gated_delta_rule_cpu"),
     Probe("vllm.gdn.decode", "gdn_decode", _define_decode, _adapt_decode, target=DECODE,
-          when="decode", before=_before_decode,
+          when="decode", before=_before_decode, regroup=_regroup_decode,
           description="vllm._custom_ops.fused_sigmoid_gating_delta_rule_update_cpu"),
 ]
