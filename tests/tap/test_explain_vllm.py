@@ -17,6 +17,8 @@ import torch
 
 from enginetap.dataset import Dataset
 from enginetap.replay.runner import replay_dataset
+from enginetap.tap.diff import diff_runs
+from enginetap.tap.files import load_run
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -125,6 +127,10 @@ def test_a_state_read_from_another_requests_slot_on_vllm_is_upstream(
     # the slots named are the ones vLLM gave p2 and p1 at that step (the tap's rows)
     slots = recorded_state_slots(tmp_path / "run", 2)
     assert (int(found[1]), int(found[2])) == (slots["p2"], slots["p1"]), slots
+    # catching the calls (the model's sublayers wrapped too) changed nothing: the re-run's
+    # tap equals the run's, row for row
+    (same,) = diff_runs(load_run(tmp_path / "run"), load_run(tmp_path / "repro/enginetap/rerun-a"))
+    assert same.rows_compared > 0 and not same.diverged
     # REPRO's bytes: the recorded call's state holds p2's state in p1's row
     dataset = Dataset(tmp_path / "repro")
     lines = repro_lines(tmp_path / "repro")
