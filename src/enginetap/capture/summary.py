@@ -12,11 +12,14 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from enginetap.capture.options import SelectionPolicy
-from enginetap.capture.writers import WriterStats
+
+if TYPE_CHECKING:
+    from enginetap.capture.writers import WriterStats
 
 logger = logging.getLogger("enginetap.capture")
 
@@ -56,6 +59,12 @@ class CaptureSummary(BaseModel):
     skipped: dict[str, int] = Field(default_factory=dict)
     """Calls not captured, by probe and reason."""
     steps_not_selected: int = 0
+
+    @classmethod
+    def read(cls, path: Path) -> CaptureSummary:
+        """The summary in ``path``. Raises OSError when it cannot be read and pydantic's
+        ValidationError when it is not a capture summary."""
+        return cls.model_validate_json(path.read_bytes())
 
     def with_writer(self, stats: WriterStats | None) -> CaptureSummary:
         """This summary with the writer's counts (none on a rank that does not write)."""
