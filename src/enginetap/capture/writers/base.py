@@ -13,6 +13,7 @@ and a waiting engine thread poll at millisecond intervals instead.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -147,7 +148,7 @@ class CaptureWriter(ABC):
         """Write everything submitted, stop the worker, and return the counts."""
 
     @abstractmethod
-    def _worker(self) -> Any:
+    def _worker(self) -> threading.Thread:
         """The thread whose death ends an engine thread's wait for budget."""
 
     @abstractmethod
