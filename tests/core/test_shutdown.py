@@ -1,6 +1,7 @@
 """The flush-at-exit registry: SIGTERM flushes what is registered, then the signal goes
 on to the handler found before (or ends the process); an ignored signal stays ignored;
-the handlers found are put back exactly once the last flush is taken back."""
+a stuck exit is flushed and ended by the watchdog; the handlers found are put back
+exactly once the last flush is taken back."""
 
 from __future__ import annotations
 
@@ -27,7 +28,11 @@ def _signalled(tmp_path: Path, mode: str, records: int = 300) -> tuple[int, str,
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=60)[1]
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"no exit after SIGTERM: {proc.communicate()[1][-3000:]}") from None
     return proc.returncode, stdout + stderr, _lines(tmp_path / "t-rank0.jsonl")
 
 
@@ -47,6 +52,15 @@ def test_an_ignored_sigterm_stays_ignored(tmp_path):
     code, output, written = _signalled(tmp_path, "ignore")
     assert code == 0 and "still here" in output
     assert written == list(range(300))  # flushed at the program's own exit
+
+
+def test_a_stuck_exit_is_flushed_and_ended_by_the_watchdog(tmp_path):
+    # the interpreter waits for a thread that never ends before it runs the exit
+    # handlers: the watchdog writes what the sink holds and ends the process
+    code, output, written = _signalled(tmp_path, "stuck")
+    assert code == 128 + signal.SIGTERM
+    assert "did not exit within 1 s" in output
+    assert written == list(range(300))
 
 
 def test_the_handlers_found_are_put_back_when_the_last_flush_goes():
