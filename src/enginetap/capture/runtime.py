@@ -22,7 +22,7 @@ from enginetap.capture.options import CaptureOptions
 from enginetap.capture.probe import Probe
 from enginetap.capture.provenance import Provenance, model_identity
 from enginetap.capture.selection import Selector
-from enginetap.capture.summary import SUMMARY_FILE, CaptureSummary
+from enginetap.capture.summary import CaptureSummary
 from enginetap.capture.writers import CaptureWriter, ProcessWriter, ThreadWriter
 from enginetap.core import context, shutdown
 from enginetap.core.capability import ArmContext
@@ -32,7 +32,7 @@ from enginetap.dataset import Dataset
 
 logger = logging.getLogger("enginetap.capture")
 
-__all__ = ["CaptureRuntime", "SUMMARY_FILE"]
+__all__ = ["CaptureRuntime", "start_writer"]
 
 
 def start_writer(dataset: Dataset, options: CaptureOptions) -> CaptureWriter:

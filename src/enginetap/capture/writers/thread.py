@@ -1,10 +1,11 @@
 """The thread writer: a background thread that batches captured workloads into a dataset.
 
 The engine thread only hands over host copies (:meth:`~.base.CaptureWriter.submit`); the
-writer thread waits for their copy events, then commits up to ``batch`` workloads at once. A byte budget
-bounds what is held in memory: when it is full, ``wait`` blocks the engine until the writer
-catches up, ``drop`` drops the workload and counts it. The writer is flushed and joined by
-:meth:`close`, which the capture runtime calls at exit and on SIGTERM/SIGINT.
+writer thread waits for their copy events, then commits up to ``batch`` workloads at once.
+A byte budget bounds what is held in memory: when it is full, ``wait`` blocks the engine
+until the writer catches up, ``drop`` drops the workload and counts it. The writer is
+flushed and joined by :meth:`close`, which the capture runtime calls at exit and on
+SIGTERM/SIGINT.
 
 The writer's work is Python (checks, safe paths, receipts, JSON) and holds the GIL, which
 the engine thread gives up at every torch call; by default it then waits up to 5 ms (the
