@@ -7,9 +7,10 @@ ring from descriptor ``FD`` and writes every workload with the thread writer's o
 (``PINNED`` 1: the engine pinned the ring, so its pages exist and are mapped at once),
 making each receipt from the facts, labels and provenance the message carries. Which
 workloads it is done with (written, refused or dropped) it tells through the ring's
-control word: the highest ``seq`` up to which all are done. On standard output it reports each workload the dataset refused (``refused``), the first
-write error (``error``), and at the end its counts (``closed``). Its input closing (the
-engine's process ended or went away) ends it after everything received is written.
+control word: the highest ``seq`` up to which all are done. On standard output it
+reports each workload the dataset refused (``refused``), the first write error
+(``error``), and at the end its counts (``closed``). Its input closing (the engine's
+process ended or went away) ends it after everything received is written.
 """
 
 from __future__ import annotations
