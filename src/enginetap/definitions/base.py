@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from enginetap.dataset.constraints import broken
 from enginetap.dataset.schema import AxisConst, AxisVar, Definition, TensorSpec
-from enginetap.definitions.constraints import broken_constraints
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class Template:
         if not problems:
             consts = {k: values[k] for k in self.const_axes}
             problems += [f"the const axes break {rule!r}"
-                         for rule in broken_constraints(self.constraints, consts)]
+                         for rule in broken(self.constraints, consts)]
         if problems:
             raise DefinitionError(
                 f"cannot instantiate {self.family!r}", "; ".join(problems),
