@@ -37,7 +37,7 @@ and catch and report everything of its own.
 
 from enginetap.core.patching.gate import Gate
 from enginetap.core.patching.patch import (
-    Patch, PatchSet, ReachesCaller, Wrapper, WrapperError, contained,
+    Patch, PatchSet, ReachesCaller, WrapperError, contained,
 )
 from enginetap.core.patching.signatures import bind_arguments, call_signature
 from enginetap.core.patching.targets import ResolveError, Target, lookup_raw, resolve
