@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Axis", "CompareRule", "Template", "Tensor", "compile_reference", "const", "family_of",
-    "params_of", "var",
+    "FLOAT_DTYPES", "Axis", "CompareRule", "Template", "Tensor", "compile_reference", "const",
+    "dtype_param", "family_of", "params_of", "var",
 ]
 
 FAMILY_TAG = "enginetap:family="
@@ -49,6 +49,16 @@ def const(description: str = "") -> Axis:
 
 def var(description: str = "") -> Axis:
     return Axis("var", description)
+
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+"""The activation dtypes a family's ``dtype`` param may take."""
+
+
+def dtype_param() -> dict[str, Any]:
+    """``params`` and ``choices`` of a family whose one param is its activation ``dtype``
+    (bfloat16 unless given): ``Template(..., **dtype_param())``."""
+    return {"params": {"dtype": "bfloat16"}, "choices": {"dtype": FLOAT_DTYPES}}
 
 
 @dataclass(frozen=True)
