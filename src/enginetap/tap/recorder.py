@@ -520,6 +520,29 @@ class TapRecorder:
         staging.stage(source, None)
         self._record(source.device, self._unique(name), len(staging.order) - 1)
 
+    def row_slot(self, name: str, dtype: torch.dtype, width: int,
+                 device: torch.device) -> torch.Tensor | None:
+        """A ``[tapped rows, width]`` staging slot of checkpoint ``name`` for the caller
+        to fill (one gather with ``out=``: rows it reads itself, a cache's); None where
+        the step taps nothing or the point is refused (see :meth:`allowed`)."""
+        if not self.live or not self.allowed(name):
+            return None
+        staging = self._staging_for(device)
+        slot = staging.slot(dtype, width)
+        self._record(device, self._unique(name), len(staging.order) - 1)
+        return slot
+
+    def request_slot(self, name: str, dtype: torch.dtype, width: int,
+                     device: torch.device) -> torch.Tensor | None:
+        """:meth:`row_slot` with one row per tapped request (in :meth:`request_index`
+        order): every tapped row of a request gets its request's hash."""
+        if not self.live or not self.allowed(name):
+            return None
+        staging = self._staging_for(device)
+        slot = staging.slot(dtype, width, rows=len(self.request_token_index))
+        self._record(device, self._unique(name), len(staging.order) - 1)
+        return slot
+
     def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
         ``name``; every tapped row of a request gets its request's hash."""
