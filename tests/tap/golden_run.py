@@ -1,6 +1,6 @@
 """A fixed built-in-engine tap run whose records ``test_golden.py`` pins byte for byte.
 
-``golden_run.py MODEL OUT_DIR`` (run in a child with ``TRITON_INTERPRET=1``: the deferred
+``golden_run.py MODEL OUT_DIR [DEFER_BYTES]`` (run in a child with ``TRITON_INTERPRET=1``: the deferred
 path on the CPU) prints the run's digest as one JSON line; the test imports
 :func:`golden_digest` for the in-process (gathered) run. A tiny random-weight model the
 project builds (seed 0), float32 on the CPU, the default tap options (continuity and
@@ -29,18 +29,23 @@ HEADER_FIELDS = ("kind", "format", "version", "engine", "world_size", "tp_size",
 """Header fields that do not depend on the machine or the versions installed."""
 
 
-def golden_digest(model: str, out: Path) -> dict[str, Any]:
-    """Run the fixed tap run of ``model`` into ``out``; what the test pins of its file."""
+def golden_digest(model: str, out: Path, **options: Any) -> dict[str, Any]:
+    """Run the fixed tap run of ``model`` into ``out`` (tap ``options`` beyond the default
+    ones: the machinery they change must not change the bytes); what the test pins of
+    its file, and how the recorder ran its steps."""
     reqs = [Request(request_id=f"r{i}", prompt=p, max_new_tokens=NEW_TOKENS)
             for i, p in enumerate(PROMPTS)]
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
-                       options={"tap": {}, "step": {"record": False}})
+                       options={"tap": options, "step": {"record": False}})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # more threads split a batch's rows differently: other bits
     try:
         engine = HFEngine.from_builtin(model, dtype=torch.float32, prefix_cache_size=0,
                                        arm=config)
         tokens = [c.output_ids for c in engine.generate(reqs)]
+        recorder = engine.arming.context.notes["tap"]
+        ran = {"quick": recorder.quick_count, "planned": recorder.planned_count,
+               "at_call": sorted(recorder.at_call)}
     finally:
         torch.set_num_threads(threads)
         disarm()
@@ -62,8 +67,10 @@ def golden_digest(model: str, out: Path) -> dict[str, Any]:
         "L0.attn.kv_written": hashes.get("L0.attn.kv_written", hashes.get(
             "L3.attn.kv_written"))[:16],
         "sampler": first["sampler"][0],
+        "ran": ran,
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(golden_digest(sys.argv[1], Path(sys.argv[2]))))
+    extra = {"defer_bytes": int(sys.argv[3])} if len(sys.argv) > 3 else {}
+    print(json.dumps(golden_digest(sys.argv[1], Path(sys.argv[2]), **extra)))

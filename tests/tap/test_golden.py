@@ -69,14 +69,28 @@ def test_a_fixed_run_writes_the_golden_records(tmp_path: Path, model: str,
     assert_golden(golden_digest(model, tmp_path / "run"), expected, f"{model} (gathered)")
 
 
-def test_the_deferred_path_writes_the_same_golden_records(tmp_path: Path) -> None:
-    # Triton's interpreter runs the deferred hash kernel on the CPU: checkpoints hashed in
-    # place at step end (and quick steps) must write the gathered path's bytes.
+def deferred_run(out: Path, *extra: str) -> dict[str, Any]:
+    """The llama golden run in a child where Triton's interpreter runs the deferred hash
+    kernel on the CPU (checkpoints hashed in place at step end, quick steps)."""
     pytest.importorskip("triton", reason="Triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("golden_run.py")),
-                           "llama", str(tmp_path / "run")], env=env, capture_output=True,
+                           "llama", str(out), *extra], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_deferred_path_writes_the_same_golden_records(tmp_path: Path) -> None:
+    found = deferred_run(tmp_path / "run")
     assert_golden(found, LLAMA, "llama (deferred, Triton interpreter)")
+    # decode steps 1-2 verify, 3 settles the kind: 4-6 run quick, 5-6 as planned
+    assert found["ran"] == {"quick": 3, "planned": 2, "at_call": []}
+
+
+def test_a_prefill_past_the_byte_budget_leaves_decode_steps_quick(tmp_path: Path) -> None:
+    # 40 kB: the prefill's checkpoints overflow it (gathered), a decode step's fit. The
+    # prefill's gathers must not mark their names "examined at the call" for good.
+    found = deferred_run(tmp_path / "run", "40000")
+    assert_golden(found, LLAMA, "llama (deferred, prefill over the byte budget)")
+    assert found["ran"] == {"quick": 3, "planned": 2, "at_call": []}

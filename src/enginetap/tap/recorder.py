@@ -480,7 +480,10 @@ class TapRecorder:
         slot = self._stage(source)
         if check >= 0 and deferred is not None:
             deferred.checks.append((unique, slot, check))
-        elif self._fast:  # gathered, not deferred: examined at its call in quick steps
+        elif self._fast and not (deferred is not None and deferred.spent):
+            # gathered, not deferred: examined at its call in quick steps (not where only
+            # this step's byte budget was spent: a long prefill's size says nothing about
+            # the name, and its decode steps would all be examined at the call)
             self._at_call_next.add(_call_key(unique))
         self._record(source.device, unique, slot)
 
