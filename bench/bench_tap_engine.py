@@ -13,6 +13,9 @@ rotated each round) so that machine noise hits all alike:
   and sampler on);
 - ``tap-fp``: fingerprints only (``continuity=False, sampler=False``): the checkpoints
   the seed approach records;
+- ``tap-at-call``: the default tap with the recorder's quick steps off (every checkpoint
+  examined at its call; on a GPU the quick steps list a settled step's checkpoints and
+  examine them at the device wait): whether that machinery pays;
 - ``seed-002``: the seed's approach on those checkpoints, written here: forward hooks on
   the same sublayer modules (decoder layers' inputs, every sublayer's output), per
   checkpoint the tapped rows gathered, weighted int64 row sums kept on the device; at step
@@ -51,7 +54,7 @@ from enginetap.engines.hf.arming import disarm
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.fingerprint import word_weights
 
-VARIANTS = ("disarmed", "tap", "tap-fp", "seed-002")
+VARIANTS = ("disarmed", "tap", "tap-fp", "tap-at-call", "seed-002")
 
 
 def build(hidden: int, layers: int, device: str, dtype: torch.dtype) -> Any:
@@ -162,13 +165,15 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
     if name == "tap-fp":
         options.update(continuity=False, sampler=False)
     arm = None
-    if name.startswith("tap"):
+    if name.startswith("tap"):  # tap-at-call: the default options
         arm = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out / name,
                         options={"tap": options, "step": {"record": False}})
     seed = SeedStyle(model, rows) if name == "seed-002" else None
     info: dict[str, Any] = {}
     try:
         engine = HFEngine.from_loaded(model, prefix_cache_size=0, arm=arm)
+        if name == "tap-at-call":
+            engine.arming.context.notes["tap"].quick_steps = False
         if seed is not None:
             seed.install()
         subscribe(on_begin=clock.begin, on_end=clock.end, on_wait=clock.wait)
@@ -180,7 +185,7 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
             profile.disable()
         if engine.arming is not None:
             recorder = engine.arming.context.notes["tap"]
-            info["checkpoints"] = recorder.last_checkpoints
+            info["checkpoints"] = f"{recorder.last_checkpoints} ({recorder.quick_count} quick)"
         elif seed is not None:
             info["checkpoints"] = seed.checkpoints
     finally:
@@ -221,9 +226,9 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
             ratios[name].append(per_round[name][-1] / per_round["disarmed"][-1])
     print(f"\nbatch {batch}, context {args.context}, {args.new_tokens} new tokens, "
           f"{args.rounds} rounds; median [min-max] over rounds")
-    print(f"{'variant':<10} {'step ms':>22} {'vs disarmed':>24} {'launch ms':>22} checkpoints")
+    print(f"{'variant':<11} {'step ms':>22} {'vs disarmed':>24} {'launch ms':>22} checkpoints")
     for name in args.variants:
-        print(f"{name:<10} {spread(per_round[name], 1e3):>22} "
+        print(f"{name:<11} {spread(per_round[name], 1e3):>22} "
               f"{spread(ratios[name], fmt='{:.3f}'):>24} {spread(launch[name], 1e3):>22} "
               f"{info[name].get('checkpoints', '-')}")
     if {"seed-002", "tap"} <= set(args.variants):
@@ -231,10 +236,10 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
             if name in args.variants:
                 over = [s - 1 for s in ratios["seed-002"]]
                 mine = [t - 1 for t in ratios[name]]
-                print(f"seed-002 overhead / {name} overhead: "
-                      f"{statistics.median(over) / max(statistics.median(mine), 1e-9):.1f}x "
-                      f"(overheads {statistics.median(over):+.1%} vs "
-                      f"{statistics.median(mine):+.1%})")
+                times = (f"{statistics.median(over) / statistics.median(mine):.1f}x"
+                         if statistics.median(mine) > 0 else "unbounded (no overhead seen)")
+                print(f"seed-002 overhead / {name} overhead: {times} (overheads "
+                      f"{statistics.median(over):+.1%} vs {statistics.median(mine):+.1%})")
     if args.profile:
         profile = cProfile.Profile()
         run_variant(args.profile, model, reqs, out, args.rows, Clock(), profile)
