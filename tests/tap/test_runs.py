@@ -121,7 +121,7 @@ def test_a_failing_tap_wrapper_is_reported_once_and_the_engine_call_goes_on(
     sublayer's output (after it), costs no token and no second call of the module."""
     import logging
 
-    from enginetap.tap.recorder import TapRecorder
+    from enginetap.tap.record import TapRecorder
 
     broken = "L1.in" if where == "before" else "L1.mlp.out"
     checkpoint = TapRecorder.checkpoint

@@ -11,7 +11,7 @@ from enginetap.core.patching import PatchSet
 from enginetap.core.scope import ScopeUse
 from enginetap.tap.options import TapOptions
 from enginetap.tap.points import CheckpointNames, logits_wrapper, sublayer_wrapper
-from enginetap.tap.recorder import TapRecorder
+from enginetap.tap.record import TapRecorder
 
 __all__ = ["TapInstall", "install"]
 

@@ -22,7 +22,7 @@ import torch
 
 from enginetap.core.patching import contained
 from enginetap.core.scope import SCOPE
-from enginetap.tap.recorder import TapRecorder, outputs_of
+from enginetap.tap.record import TapRecorder, outputs_of
 
 __all__ = ["CheckpointNames", "logits_wrapper", "sublayer_wrapper"]
 
@@ -135,7 +135,7 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames, around: Any 
                 if quick is not None and name_in not in at_call:
                     quick.append((name_in, hidden))
                 else:
-                    recorder.checkpoint(name_in, hidden)
+                    recorder.take(name_in, hidden)
             if around is not None:
                 around.before(name, kind, instance, hidden, kwargs)
         except Exception as exc:
@@ -147,10 +147,10 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames, around: Any 
                 if quick is not None and name_out not in at_call and recorder.quick is quick:
                     quick.append((name_out, out))
                 elif isinstance(out, torch.Tensor):
-                    recorder.checkpoint(name_out, out)
+                    recorder.take(name_out, out)
                 else:
                     for suffix, tensor in outputs_of(out):
-                        recorder.checkpoint(f"{name}.{suffix}", tensor)
+                        recorder.take(f"{name}.{suffix}", tensor)
             if around is not None:
                 around.after(name, kind, instance, hidden, kwargs)
         except Exception as exc:

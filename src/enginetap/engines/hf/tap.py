@@ -25,7 +25,7 @@ import torch
 
 from enginetap.core.scope import SCOPE
 from enginetap.tap.points import sublayer_wrapper
-from enginetap.tap.recorder import TapRecorder
+from enginetap.tap.record import TapRecorder
 
 __all__ = ["CachePoints", "tap_points"]
 
