@@ -1,10 +1,9 @@
 """Row fingerprints: an order-sensitive hash of the bytes of tapped rows, on their device.
 
-Per checkpoint the tapped rows' bytes are gathered into one per-step staging buffer on the
-tensor's device (one gather, no host sync); at step end every staged row is hashed at
-once (a handful of kernels whatever the number of checkpoints) and the hashes cross to
-the host in one transfer. Cost per checkpoint is one launch plus microseconds of host
-work; per-checkpoint launches, not bytes, are what tapping costs (see ENGINES.md).
+The recorder hashes staged rows (:mod:`enginetap.tap.record.staging`) and tensors kept
+until step end (:mod:`enginetap.tap.record.deferred`) with this function; the compiled
+tap (:mod:`enginetap.tap.compiled`) inside the graph. Here: the reference, the weights and
+the whole-tensor hash.
 
 The hash of a row of 32-bit words ``x_j`` is ``sum_j x_j * w_j mod 2**64`` with odd
 weights ``w_j`` that depend on ``j``: a flipped bit or two swapped words change it. It is

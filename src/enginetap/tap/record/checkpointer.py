@@ -179,14 +179,12 @@ class Checkpointer:
 
     def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
         """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
-        if not self.live or not self.allowed(name):
-            return
-        source = rows.detach().reshape(len(self.rows), -1)
-        if source.dtype == torch.bool:
-            source = source.view(torch.uint8)
-        staging = self._staging_for(source.device)
-        staging.stage(source, None)
-        self._record(source.device, self._unique(name), len(staging.order) - 1)
+        self._hand_over(name, rows, per_request=False)
+
+    def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
+        """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
+        ``name``; every tapped row of a request gets its request's hash."""
+        self._hand_over(name, rows, per_request=True)
 
     def row_slot(self, name: str, dtype: torch.dtype, width: int,
                  device: torch.device) -> torch.Tensor | None:
@@ -195,10 +193,7 @@ class Checkpointer:
         the step taps nothing or the point is refused (see :meth:`allowed`)."""
         if not self.live or not self.allowed(name):
             return None
-        staging = self._staging_for(device)
-        slot = staging.slot(dtype, width)
-        self._record(device, self._unique(name), len(staging.order) - 1)
-        return slot
+        return self._slot(name, dtype, width, device, per_request=False)
 
     def request_slot(self, name: str, dtype: torch.dtype, width: int,
                      device: torch.device) -> torch.Tensor | None:
@@ -206,22 +201,25 @@ class Checkpointer:
         order): every tapped row of a request gets its request's hash."""
         if not self.live or not self.allowed(name):
             return None
-        staging = self._staging_for(device)
-        slot = staging.slot(dtype, width, rows=len(self.request_token_index))
-        self._record(device, self._unique(name), len(staging.order) - 1)
-        return slot
+        return self._slot(name, dtype, width, device, per_request=True)
 
-    def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
-        """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
-        ``name``; every tapped row of a request gets its request's hash."""
+    def _hand_over(self, name: str, rows: torch.Tensor, per_request: bool) -> None:
         if not self.live or not self.allowed(name):
             return
-        source = rows.detach().reshape(len(self.request_token_index), -1)
+        count = len(self.request_token_index) if per_request else len(self.rows)
+        source = rows.detach().reshape(count, -1)
         if source.dtype == torch.bool:
             source = source.view(torch.uint8)
-        staging = self._staging_for(source.device)
-        staging.stage_per_request(source)
-        self._record(source.device, self._unique(name), len(staging.order) - 1)
+        self._slot(name, source.dtype, source.shape[1], source.device, per_request
+                   ).copy_(source)
+
+    def _slot(self, name: str, dtype: torch.dtype, width: int, device: torch.device,
+              per_request: bool) -> torch.Tensor:
+        staging = self._staging_for(device)
+        slot = staging.slot(dtype, width,
+                            rows=len(self.request_token_index) if per_request else None)
+        self._record(device, self._unique(name), len(staging.order) - 1)
+        return slot
 
     def note_logits(self, logits: torch.Tensor) -> None:
         """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""

@@ -1,12 +1,12 @@
-"""The per-step tap: stages checkpoint rows on device, writes one record per step.
+"""The per-step tap: the recorder's lifecycle, one record per step.
 
 Step begin picks the tapped rows; every checkpoint during the step gathers those rows'
-bytes into the step's staging buffer (:mod:`.checkpointer`, :mod:`.staging`), or, on a GPU,
-keeps the tensor to hash in place at step end (:mod:`.deferred`; settled steps run quick, :mod:`.quick`); step end
-hashes them all (:mod:`.transfer`) and brings hashes and sampler values to the host in one transfer; the JSONL
-record is formatted and written off the step path where a GPU runs the model
-(:mod:`enginetap.core.sink`). Outside a step (warm-up, dummy runs) every checkpoint is
-a no-op.
+bytes into the step's staging buffer (:mod:`.checkpointer`, :mod:`.staging`), or, on a
+GPU, keeps the tensor to hash in place at step end (:mod:`.deferred`; settled steps run
+quick, :mod:`.quick`); step end hashes them all and brings hashes and sampler values to
+the host in one transfer (:mod:`.transfer`); the JSONL record is formatted and written off
+the step path where a GPU runs the model (:mod:`enginetap.core.sink`). Outside a step
+(warm-up, dummy runs) every checkpoint is a no-op.
 """
 
 from __future__ import annotations
