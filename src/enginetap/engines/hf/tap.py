@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from enginetap.core.scope import SCOPE
+from enginetap.core.scope import SCOPE, sublayer_targets
+from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.points import sublayer_wrapper
 from enginetap.tap.record import TapRecorder
 
@@ -35,13 +36,14 @@ Factory = Callable[[TapRecorder, Any], Callable[..., Any]]
 def tap_points(model: Any) -> list[tuple[str, Factory]]:
     """The sublayer targets of ``model``'s attention and gated-delta classes, each with a
     sublayer wrapper that also reads the caches around the module's forward."""
+    sublayers = set(sublayer_targets(model, SUBLAYERS))
     targets = set()
     for module in model.modules():
         short = SCOPE.short(module)
         if short is not None and short.rpartition(".")[2] in ("attn", "gdn"):
             cls = type(module)
             targets.add(f"{cls.__module__}:{cls.__qualname__}.forward")
-    return [(target, _factory) for target in sorted(targets)]
+    return [(target, _factory) for target in sorted(targets & sublayers)]
 
 
 def _factory(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
