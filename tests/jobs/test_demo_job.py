@@ -11,7 +11,7 @@ from typing import Any
 from enginetap.definitions.base import family_of
 from enginetap.jobs.demo import MARKER, DemoJob, run_demo, verdict_of
 from enginetap.replay.compare import Comparison
-from enginetap.replay.report import NOT_EXPOSED, DefinitionResult, OutputCheck, WorkloadResult
+from enginetap.replay.results import NOT_EXPOSED, DefinitionResult, OutputCheck, WorkloadResult
 
 
 class _Recorder:

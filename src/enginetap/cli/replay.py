@@ -77,8 +77,9 @@ def replay(
     from enginetap.jobs.replay import select_definitions
     from enginetap.jobs.replay import write_solutions as jobs_write_solutions
     from enginetap.replay import replay_dataset
-    from enginetap.replay.report import print_report, summary_line
-    from enginetap.replay.summary import render_summary, summary_notes
+    from enginetap.replay.render import (
+        print_report, render_summary, summary_line, summary_notes,
+    )
 
     if list_solutions:
         out.print(_solutions_table())

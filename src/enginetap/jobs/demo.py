@@ -173,7 +173,7 @@ def verdict_of(result: Any) -> Verdict:
 
 
 def _unexposed(checks: list[Any]) -> str:
-    from enginetap.replay.report import NOT_EXPOSED
+    from enginetap.replay.results import NOT_EXPOSED
 
     names = dict.fromkeys(c.output for c in checks if c.message == NOT_EXPOSED)
     return f"{', '.join(names)}: not exposed by this engine" if names else ""

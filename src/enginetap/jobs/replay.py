@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from enginetap.errors import ConfigError, DatasetError
 
 if TYPE_CHECKING:
-    from enginetap.replay.report import DefinitionResult
+    from enginetap.replay.results import DefinitionResult
 
 __all__ = ["select_definitions", "write_solutions"]
 
@@ -29,7 +29,7 @@ def select_definitions(dataset: Path, names: list[str] | None, families: list[st
     """
     from enginetap.dataset import Dataset
     from enginetap.definitions.base import family_of
-    from enginetap.replay.report import DefinitionResult
+    from enginetap.replay.results import DefinitionResult
 
     if not names and not families:
         return names, []
