@@ -77,37 +77,20 @@ def synth(
     engine's) into DATASET. --set values are checked against each family (types, allowed
     values, constraints, a size budget). A family that fails is reported in one line, leaves
     nothing behind, and the others still run."""
-    from enginetap.dataset import Dataset
-    from enginetap.definitions.registry import get_template, templates
-    from enginetap.replay.synth import check_room, coerce_values, synthesize
+    from enginetap.definitions.registry import templates
+    from enginetap.jobs.synth import synthesize_families
 
     if bool(family) == all_:
         raise ConfigError("say which families", "pass --family F (repeatable) or --all, not both",
                           "see `enginetap definitions list`")
     chosen = sorted(templates()) if all_ else list(dict.fromkeys(family or []))
-    target = [get_template(name) for name in chosen]  # unknown names fail before any write
-    store, overrides, failed = Dataset(dataset, create=True), _pairs(set_), 0
-    for template in target:  # more workloads than the disk holds: refused before any write
-        try:
-            chosen_values = {**template.example, **coerce_values(template, overrides)}
-            definition = template.instantiate(**chosen_values)
-        except EnginetapError:
-            continue  # reported with the family below
-        check_room(store, template, definition, workloads)
-    for template in target:
-        try:
-            definition = synthesize(store, template, coerce_values(template, overrides),
-                                    workloads=workloads, seed=seed)
-        except EnginetapError as exc:
+    failed = 0
+    for done in synthesize_families(dataset, chosen, _pairs(set_), workloads=workloads,
+                                    seed=seed):
+        if done.error is not None:
             failed += 1
-            err.print(f"error: {template.family}: {exc}", markup=False, highlight=False)
-            continue
-        except Exception as exc:  # noqa: BLE001 - the CLI boundary: one line per family
-            # Not ours (a full disk, an allocation): one line, and the other families still run.
-            failed += 1
-            err.print(f"error: {template.family}: {type(exc).__name__}: {exc}",
+            err.print(f"error: {done.family}: {done.error}", markup=False, highlight=False)
+        else:
+            out.print(f"{done.family}: wrote {done.definition} with {workloads} workload(s)",
                       markup=False, highlight=False)
-            continue
-        out.print(f"{template.family}: wrote {definition.name} with {workloads} workload(s)",
-                  markup=False, highlight=False)
     sys.exit(1 if failed else 0)

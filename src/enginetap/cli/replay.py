@@ -74,6 +74,8 @@ def replay(
 ) -> None:
     """Run each definition's reference on the stored inputs and compare with the engine's
     outputs (and with --solution's); exit 1 if anything does not pass."""
+    from enginetap.jobs.replay import select_definitions
+    from enginetap.jobs.replay import write_solutions as jobs_write_solutions
     from enginetap.replay import replay_dataset
     from enginetap.replay.render import (
         print_report, render_summary, summary_line, summary_notes,
@@ -85,9 +87,12 @@ def replay(
     if dataset is None:
         raise EnginetapError("no dataset given", "replay needs a dataset root",
                              "pass DATASET, or --list-solutions to see the built-in solutions")
-    definition, left_out = _select(dataset, definition, family)
+    definition, left_out = select_definitions(dataset, definition, family)
     if write_solutions is not None:
-        _write_solutions(write_solutions, dataset, solution or [], definition)
+        for name, count in jobs_write_solutions(write_solutions, dataset, solution or [],
+                                                definition):
+            out.print(f"{name}: {count} Solution file(s) under {write_solutions / 'solutions'}",
+                      markup=False, highlight=False)
         sys.exit(0)
     report = replay_dataset(dataset, definitions=definition, solution=solution,
                             trust_dataset_code=trust_dataset_code, device=device,
@@ -107,67 +112,6 @@ def replay(
     if json_path is not None:
         _write_json(json_path, report.model_dump_json(indent=2) + "\n")
     sys.exit(0 if report.ok else 1)
-
-
-def _select(dataset: Path, names: list[str] | None, families: list[str] | None
-            ) -> tuple[list[str] | None, list[Any]]:
-    """The definitions to replay (None: all), and those ``--family`` leaves out as
-    SKIPPED results (listed only when no ``-d`` narrows the replay itself).
-
-    Raises:
-        ConfigError: a ``-d`` name or ``--family`` matches nothing in the dataset (the
-            message lists what it could have been, closest first).
-    """
-    from enginetap.dataset import Dataset
-    from enginetap.definitions.base import family_of
-    from enginetap.errors import ConfigError, DatasetError
-    from enginetap.replay.results import DefinitionResult
-
-    if not names and not families:
-        return names, []
-    try:
-        available = Dataset(dataset).definitions()
-    except DatasetError:
-        return names, []  # not readable as a dataset: the replay itself reports why
-    of = {name: family_of(d) or "(none)" for name, d in available.items()}
-    for name in names or []:
-        if name not in available:
-            raise ConfigError(f"-d {name}: no such definition in {dataset}",
-                              f"it could have been {_closest(name, list(available))}",
-                              "pass -d with one of those names, or --family FAMILY")
-    for wanted in families or []:
-        if wanted not in of.values():
-            raise ConfigError(f"--family {wanted}: no definition of that family in {dataset}",
-                              f"its families are {_closest(wanted, list(of.values()))}",
-                              "pass --family with one of those")
-    chosen = [n for n in sorted(available)
-              if (not names or n in names) and (not families or of[n] in families)]
-    if not chosen:
-        raise ConfigError("no definition is both named by -d and of a --family",
-                          f"-d {' '.join(names or [])} are of families "
-                          f"{', '.join(sorted({of[n] for n in names or []}))}",
-                          "drop -d or --family, or make them agree")
-    skipped = [] if names else [
-        DefinitionResult(name=n, status="SKIPPED", message=f"not replayed: its family {of[n]} "
-                         f"is not in --family {' '.join(families or [])}")
-        for n in sorted(available) if n not in chosen]
-    return chosen, skipped
-
-
-def _closest(wanted: str, names: list[str], shown: int = 12) -> str:
-    """``names`` (each once), the most similar to ``wanted`` first: those holding it or held
-    in it, then by similarity; the first ``shown`` and a count of the rest."""
-    import difflib
-
-    def distance(name: str) -> tuple[bool, float, str]:
-        related = wanted.lower() in name.lower() or name.lower() in wanted.lower()
-        return (not related, -difflib.SequenceMatcher(None, wanted, name).ratio(), name)
-
-    ordered = sorted(dict.fromkeys(names), key=distance)
-    if not ordered:
-        return "nothing: the dataset holds no definitions"
-    more = f" (+{len(ordered) - shown} more)" if len(ordered) > shown else ""
-    return ", ".join(ordered[:shown]) + more
 
 
 def _printable(report: Any) -> Any:
@@ -210,31 +154,6 @@ def _solutions_table() -> Any:
                       "yes" if not missing else f"no ({', '.join(missing)})",
                       f"{b.library}: {b.summary}")
     return table
-
-
-def _write_solutions(root: Path, dataset: Path, names: list[str],
-                     only: list[str] | None) -> None:
-    from enginetap.dataset import Dataset
-    from enginetap.errors import ConfigError
-    from enginetap.replay.builtin import builtin_named
-    from enginetap.replay.fib import write_builtin_solutions
-
-    builtins = [builtin_named(n) for n in names]
-    if not names or None in builtins:
-        raise ConfigError("--write-solutions needs built-in --solution names",
-                          f"given: {', '.join(names) or 'none'}",
-                          "pass e.g. --solution fla:gdn (see --list-solutions)")
-    definitions = [d for name, d in sorted(Dataset(dataset).definitions().items())
-                   if not only or name in only]
-    for builtin in builtins:
-        assert builtin is not None  # checked above
-        try:
-            written = write_builtin_solutions(root, builtin, definitions)
-        except OSError as exc:
-            raise ConfigError(f"cannot write solutions under {root}", exc.strerror or str(exc),
-                              "pass a writable --write-solutions directory") from None
-        out.print(f"{builtin.name}: {len(written)} Solution file(s) under {root / 'solutions'}",
-                  markup=False, highlight=False)
 
 
 def _write_json(path: Path, text: str) -> None:
