@@ -1,6 +1,6 @@
 """``enginetap tap explain``: from a tap finding to the kind of bug behind it.
 
-1. The finding (:func:`enginetap.tap.culprit.find_culprit`) names a checkpoint, a step and
+1. The finding (:func:`enginetap.tap.analysis.culprit.find_culprit`) names a checkpoint, a step and
    two sides (two requests of one run, or one request in two runs).
 2. Each run is recorded again from its header's ``options.run`` (same prompts, batch
    size, dtype, tap options) on the built-in engine, or on vLLM CPU in this process (a
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
-from enginetap.tap.culprit import Culprit, Side, recheck
+from enginetap.tap.analysis.culprit import Culprit, Side, recheck
 
 __all__ = ["ExplainResult", "explain"]
 
@@ -199,7 +199,7 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
     from enginetap.core.capability import current_arming
     from enginetap.core.jsonl import close_all
     from enginetap.jobs.explain_calls import Catcher
-    from enginetap.tap.run import _arm_vllm_processes, _generate_batch, _model_dir
+    from enginetap.jobs.tap import _arm_vllm_processes, _generate_batch, _model_dir
 
     facts, model = side.facts, str(side.facts["model"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -1,15 +1,8 @@
-"""The tap file format's name and version: what the recorder writes and the readers
-check, importable without torch (the analysis side never imports it)."""
+"""The tap file format's name and version, kept importable here for the recorder until
+it imports them from :mod:`enginetap.tap.schema` (issue 28: removed at that merge)."""
 
 from __future__ import annotations
 
-__all__ = ["FORMAT", "RUN_FILE", "VERSION"]
+from enginetap.tap.schema import FORMAT, VERSION
 
-FORMAT = "enginetap-tap"
-VERSION = 2
-"""2: each checkpoint's hashes are one hex string, 16 digits per tapped row (1 wrote a
-list of strings: 64 Python string builds per checkpoint cost more than the tap itself)."""
-
-RUN_FILE = "tap-run.json"
-"""What ``enginetap tap run`` was asked (engine, model, prompts, sizes), beside the tap
-files: ``enginetap tap report`` builds its next commands from it."""
+__all__ = ["FORMAT", "VERSION"]

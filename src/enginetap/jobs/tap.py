@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
-from enginetap.tap.format import RUN_FILE
+from enginetap.tap.schema import RUN_FILE
 
 __all__ = ["BUILTIN_PROMPTS", "MAX_PROMPT_BYTES", "PROMPTS_ABOUT", "PROMPT_FILES", "RUN_FILE",
            "load_prompts", "prepare_out", "record_run", "record_vllm_run", "run_facts",
