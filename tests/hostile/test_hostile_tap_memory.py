@@ -68,7 +68,7 @@ def _brute_force(rank) -> Counter:
     """(step, position, checkpoint) → row pairs first differing there, pair by pair."""
     from itertools import combinations
 
-    from enginetap.tap.analysis.compare import comparable, last_of_request
+    from enginetap.tap.compare import comparable, last_of_request
 
     found: Counter = Counter()
     for step in rank.steps:

@@ -199,21 +199,21 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
     from enginetap.core.capability import current_arming
     from enginetap.core.jsonl import close_all
     from enginetap.jobs.explain_calls import Catcher
-    from enginetap.jobs.tap import _arm_vllm_processes, _generate_batch, _model_dir
+    from enginetap.jobs.engine import build_llm, resolve_model
+    from enginetap.jobs.tap import arm_tap_processes, generate_batch
 
     facts, model = side.facts, str(side.facts["model"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    _arm_vllm_processes(tap_dir, {**side.tap, "run": facts}, 1)
+    arm_tap_processes(tap_dir, {**side.tap, "run": facts}, 1)
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
     except ImportError:
         raise ConfigError("vLLM is not installed", "the run was recorded on vLLM",
                           "pip install enginetap[vllm]") from None
     size = int(facts.get("batch_size") or 8)
     with _quiet():
-        llm = LLM(model=str(_model_dir(model)), tensor_parallel_size=1,
-                  gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False,
-                  max_num_seqs=size, seed=0, dtype=_vllm_dtype(facts))
+        llm = build_llm(resolve_model(model), dtype=_vllm_dtype(facts),
+                        enable_prefix_caching=False, max_num_seqs=size)
     arming = current_arming()
     catcher = Catcher(arming.hooks.capture_probes() if arming else [], side.step,
                       culprit.module)
@@ -224,7 +224,7 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
                                 temperature=0.0)
         prompts, done = list(facts["prompts"]), {}
         for start in range(0, len(prompts), size):
-            _generate_batch(llm.llm_engine, prompts, start, size, params, done)
+            generate_batch(llm.llm_engine, prompts, start, size, params, done)
     finally:
         catcher.uninstall()
         del llm

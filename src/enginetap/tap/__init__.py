@@ -2,7 +2,8 @@
 
 Recording (armed in an engine process as the ``tap`` capability): :mod:`.recorder`,
 :mod:`.points`, :mod:`.fingerprint`. Analysis of recorded runs, offline and without torch:
-:mod:`.analysis`. Between them, :mod:`.schema`: the tap file's header and step record.
+:mod:`.analysis`. Between them, :mod:`.schema` (the tap file's header and step record) and
+:mod:`.compare` (which checkpoints same-prefix rows must agree on).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from enginetap.core.files import NotRegular, read_capped
 from enginetap.errors import describe_validation
 
-from enginetap.tap.analysis.compare import comparable, last_of_request
+from enginetap.tap.compare import comparable, last_of_request
 from enginetap.tap.fingerprint import StepStaging
 
 logger = logging.getLogger("enginetap.tap")

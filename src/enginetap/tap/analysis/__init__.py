@@ -5,7 +5,8 @@
 from step to step, row metadata), :mod:`.crossrank` (replicated checkpoints across TP
 ranks), :mod:`.diff` (two runs aligned request by request), :mod:`.culprit` and
 :mod:`.splitsize` (where and by how much) feed :mod:`.report` (text, JSON, the HTML page).
-:mod:`.compare` is the one rule of which checkpoints two rows must agree on.
+Which checkpoints two rows must agree on is :mod:`enginetap.tap.compare` (the recorder's
+raw-row dumps apply the same rule).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 from enginetap.tap.analysis.crossrank import merge_ranks
 from enginetap.tap.analysis.files import RankTap, StepRecord, TapError, TapRun
 from enginetap.tap.analysis.pairs import layer_of
-from enginetap.tap.analysis.compare import comparable, last_of_request
+from enginetap.tap.compare import comparable, last_of_request
 
 __all__ = ["Divergence", "RunDiff", "check_comparable", "diff_ranks", "diff_runs",
            "nothing_compared"]

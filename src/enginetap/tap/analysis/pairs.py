@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
-from enginetap.tap.analysis.compare import PER_REQUEST, comparable, compared, last_of_request
+from enginetap.tap.compare import PER_REQUEST, comparable, compared, last_of_request
 from enginetap.tap.analysis.files import RankTap, StepRecord
 
 __all__ = ["PairFinding", "PairSummary", "SamplerFinding", "SamplerSplit", "SplitFinding",
@@ -156,7 +156,7 @@ def sampler_findings(rank: RankTap, tie_gap: float = 1e-3) -> list[SamplerFindin
 # rows of one step and position are split into classes of rows that agree, checkpoint by
 # checkpoint in execution order; a class that splits is one finding however many row
 # pairs it holds. A recurrent state is compared only between requests' last rows that had
-# computed as many tokens (:func:`~enginetap.tap.analysis.compare.comparable`), so those rows are
+# computed as many tokens (:func:`~enginetap.tap.compare.comparable`), so those rows are
 # refined once more, per such stratum, over every checkpoint.
 
 _SHOWN = 3
