@@ -3,8 +3,9 @@
 A run is a directory holding ``tap-rank<r>.jsonl`` (or the path of one such file). Every
 file starts with a header naming the format; every other line is one step. Anything else
 (a truncated line, a file from another tool, a missing rank, a record of the wrong shape:
-every line is validated through :mod:`enginetap.tap.schema`) is refused with a :class:`TapError` that names the file and the line ("bad record at
-FILE:LINE: why"). Only regular files are read (a FIFO or a device is refused without
+every line is validated through :mod:`enginetap.tap.schema`) is refused with a
+:class:`TapError` that names the file and the line ("bad record at FILE:LINE: why").
+Only regular files are read (a FIFO or a device is refused without
 blocking) and one line holds at most :data:`MAX_LINE` bytes.
 """
 
