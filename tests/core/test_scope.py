@@ -80,7 +80,7 @@ def test_the_tap_alone_leaves_the_running_sublayer_untracked(tmp_path):
     """The tap names its checkpoints from the scope's registry and never reads the running
     sublayer, so armed alone it keeps the scope's wrappers shut (host time per module
     call); the scope armed by itself tracks it (the test above)."""
-    from enginetap.tap.files import load_run
+    from enginetap.tap.analysis.files import load_run
 
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=tmp_path)
     engine = HFEngine.from_builtin("qwen3_next", arm=config)

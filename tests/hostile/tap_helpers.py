@@ -16,7 +16,7 @@ PROMPTS = ["the cache holds every key", "kernels and caches", "the cache holds e
 def record_tap(out: Path, model: str = "llama", prompts: list[str] | None = None,
                max_new_tokens: int = 3, **tap: Any) -> Path:
     """A tap run of the built-in ``model`` (tiny random weights) recorded to ``out``."""
-    from enginetap.tap.run import record_run
+    from enginetap.jobs.tap import record_run
 
     record_run(f"builtin:{model}", prompts or PROMPTS, out, batch_size=8,
                max_new_tokens=max_new_tokens, tap=tap)

@@ -14,7 +14,7 @@ import pytest
 _CHILD = r"""
 import json, sys
 from pathlib import Path
-from enginetap.tap.run import record_run
+from enginetap.jobs.tap import record_run
 
 control, out = sys.argv[1], Path(sys.argv[2])
 prompts = ["the cache holds every key", "kernels and caches", "the cache holds every key"]

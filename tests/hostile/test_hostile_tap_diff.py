@@ -18,7 +18,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tap-diff")
     made = {"llama": record_tap(root / "llama"), "qwen3": record_tap(root / "qwen3", "qwen3")}
-    from enginetap.tap.run import record_run
+    from enginetap.jobs.tap import record_run
 
     record_run("builtin:llama", ["the cache holds every key", "kernels and caches"],
                root / "bf16", max_new_tokens=3, dtype="bfloat16")

@@ -93,8 +93,8 @@ def test_the_class_analysis_counts_what_pair_by_pair_comparison_counts(
         tmp_path: Path, model: str) -> None:
     """On real runs (qwen3_next: recurrent states compared only between last rows),
     including a run whose rows split: the same first differences, pair for pair."""
-    from enginetap.tap.files import load_run
-    from enginetap.tap.pairs import pair_splits
+    from enginetap.tap.analysis.files import load_run
+    from enginetap.tap.analysis.pairs import pair_splits
 
     prompts = ["the cache holds every key", "kernels and caches", "the cache holds every key",
                "the cache holds every key and more", "kernels and caches", "decode"]

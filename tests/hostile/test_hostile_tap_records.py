@@ -150,8 +150,8 @@ def test_the_analysis_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, enginetap.tap.files, enginetap.tap.report, enginetap.tap.diff; "
-            "print('torch' in sys.modules)")
+    code = ("import sys, enginetap.tap.analysis.files, enginetap.tap.analysis.report, "
+            "enginetap.tap.analysis.diff; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.stdout.strip() == "False", done.stderr

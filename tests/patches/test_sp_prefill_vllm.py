@@ -148,7 +148,7 @@ def test_tap_fingerprints_every_row_of_the_sharded_chunks(stock, exact):
     # Both runs are armed with tap. On a chunk served sharded, the per-rank shards
     # between sublayers are joined for tap, so its checkpoints are the stock run's, bit
     # for bit (exact mode), on both ranks.
-    from enginetap.tap.files import load_run
+    from enginetap.tap.analysis.files import load_run
 
     (served,) = [r["step"] for r in exact.records(0) if r["path"] == "sp"]
     for rank in (0, 1):

@@ -13,7 +13,7 @@ from enginetap.config import ArmConfig
 from enginetap.core.jsonl import close_all
 from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
-from enginetap.tap.files import TapRun, load_run
+from enginetap.tap.analysis.files import TapRun, load_run
 
 Recorder = Callable[..., tuple[list[list[int]], TapRun]]
 

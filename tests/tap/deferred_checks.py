@@ -28,7 +28,7 @@ from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
 from enginetap.tap import kernels
 from enginetap.tap.record.deferred import DeferredHashes
-from enginetap.tap.files import load_run
+from enginetap.tap.analysis.files import load_run
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 assert kernels.available(torch.zeros(1, device=DEVICE)), f"the kernels should run on {DEVICE}"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import TapError, load_run
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.files import TapError, load_run
 
 from .conftest import Recorder, requests
 
@@ -69,7 +69,7 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
 
 def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
     from enginetap.errors import ConfigError
-    from enginetap.tap.run import load_prompts
+    from enginetap.jobs.tap import load_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "one"}\n{"text": "two"}\n')

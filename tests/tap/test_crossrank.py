@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from enginetap.tap.crossrank import compare_ranks
-from enginetap.tap.files import load_run
-from enginetap.tap.report import analyse, summary
+from enginetap.tap.analysis.crossrank import compare_ranks
+from enginetap.tap.analysis.files import load_run
+from enginetap.tap.analysis.report import analyse, summary
 
 from .conftest import Recorder, requests
 
@@ -55,7 +55,7 @@ def test_runs_of_other_tp_sizes_are_diffed_on_what_is_whole_on_every_rank(
         record: Recorder, tmp_path: Path) -> None:
     import shutil
 
-    from enginetap.tap.diff import diff_runs
+    from enginetap.tap.analysis.diff import diff_runs
 
     record("llama", requests(["kernels and caches", "decode"], max_new_tokens=3),
            out=tmp_path / "tp1")

@@ -27,9 +27,9 @@ from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
 from enginetap.dataset import Dataset
 from enginetap.replay.runner import replay_dataset
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import load_run
-from enginetap.tap.run import record_run
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.files import load_run
+from enginetap.jobs.tap import record_run
 
 SAME = ["the cache holds every key", "the cache holds every key", "kernels and caches"]
 NORM = "transformers.models.llama.modeling_llama:LlamaRMSNorm.forward"
@@ -384,6 +384,6 @@ def test_bad_options_are_one_line(tmp_path: Path, capsys: Any, args: list[str],
     ("norm.out", "norm"), ("L0.moe.gate.out2", "L0.moe.gate"), ("L2.attn.core.out", "L2.attn.core"),
 ])
 def test_a_checkpoint_names_its_module(checkpoint: str, module: str) -> None:
-    from enginetap.tap.culprit import module_of
+    from enginetap.tap.analysis.culprit import module_of
 
     assert module_of(checkpoint) == module

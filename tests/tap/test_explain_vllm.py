@@ -17,8 +17,8 @@ import torch
 
 from enginetap.dataset import Dataset
 from enginetap.replay.runner import replay_dataset
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import load_run
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.files import load_run
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -16,9 +16,9 @@ import pytest
 from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
 from enginetap.engines.hf import HFEngine
-from enginetap.tap.continuity import check_continuity
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.pairs import find_pairs
+from enginetap.tap.analysis.continuity import check_continuity
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.pairs import find_pairs
 
 from .conftest import Recorder, requests
 
@@ -154,7 +154,7 @@ def test_a_mask_that_hides_a_cached_token_is_named_by_the_metadata_check(
     """A decode step whose attention mask drops one of r1's cached columns (a padding
     bug): the kernels' sequence length no longer equals computed + planned tokens."""
     from enginetap.engines.hf import engine as engine_module
-    from enginetap.tap.continuity import check_metadata, metadata_checked
+    from enginetap.tap.analysis.continuity import check_metadata, metadata_checked
 
     original = engine_module.plan_decode
     calls = {"n": 0}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from enginetap.tap.report import analyse, html_page
+from enginetap.tap.analysis.report import analyse, html_page
 
 from .conftest import Recorder, requests
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from enginetap.errors import ConfigError
-from enginetap.tap.files import load_run
-from enginetap.tap.report import analyse, html_page, next_commands
-from enginetap.tap.run import vector_options
+from enginetap.tap.analysis.files import load_run
+from enginetap.tap.analysis.report import analyse, html_page, next_commands
+from enginetap.jobs.tap import vector_options
 
 from .conftest import Recorder, requests
 

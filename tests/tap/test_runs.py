@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 from enginetap.cli.main import app
 from enginetap.engines.hf import HFEngine
-from enginetap.tap.continuity import check_continuity, check_metadata
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import load_run
-from enginetap.tap.pairs import find_pairs
-from enginetap.tap.report import analyse, html_page, summary
+from enginetap.tap.analysis.continuity import check_continuity, check_metadata
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.files import load_run
+from enginetap.tap.analysis.pairs import find_pairs
+from enginetap.tap.analysis.report import analyse, html_page, summary
 
 from .conftest import Recorder, requests
 

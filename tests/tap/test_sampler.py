@@ -9,7 +9,7 @@ import torch
 
 from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
-from enginetap.tap.pairs import find_pairs, sampler_findings
+from enginetap.tap.analysis.pairs import find_pairs, sampler_findings
 
 from .conftest import Recorder, requests
 

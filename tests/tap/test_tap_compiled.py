@@ -21,8 +21,8 @@ from enginetap.config import ArmConfig
 from enginetap.core.jsonl import close_all
 from enginetap.engines.hf import HFEngine
 from enginetap.engines.hf.arming import disarm
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import TapRun, load_run
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.files import TapRun, load_run
 
 from .conftest import requests
 

@@ -12,9 +12,9 @@ from enginetap.config import ArmConfig
 from enginetap.core.jsonl import close_all
 from enginetap.engines.hf import HFEngine
 from enginetap.engines.hf.arming import disarm
-from enginetap.tap.continuity import check_continuity, check_metadata
-from enginetap.tap.files import load_run
-from enginetap.tap.pairs import find_pairs
+from enginetap.tap.analysis.continuity import check_continuity, check_metadata
+from enginetap.tap.analysis.files import load_run
+from enginetap.tap.analysis.pairs import find_pairs
 
 from .conftest import requests
 

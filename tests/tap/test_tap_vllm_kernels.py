@@ -24,10 +24,10 @@ import pytest
 from typer.testing import CliRunner
 
 from enginetap.cli.main import app
-from enginetap.tap.continuity import check_continuity, check_metadata, metadata_checked
-from enginetap.tap.crossrank import compare_ranks
-from enginetap.tap.files import TapRun, load_run
-from enginetap.tap.pairs import find_pairs
+from enginetap.tap.analysis.continuity import check_continuity, check_metadata, metadata_checked
+from enginetap.tap.analysis.crossrank import compare_ranks
+from enginetap.tap.analysis.files import TapRun, load_run
+from enginetap.tap.analysis.pairs import find_pairs
 from tests.pairwise import side_by_side
 
 HERE = Path(__file__).parent
@@ -188,8 +188,8 @@ def test_tap_records_inside_a_vllm_worker(runs) -> None:
     # the tiny Llama's offline run (chunked prefill, a request arriving mid-way, a repeated
     # prompt) armed by the capability alone: vLLM's sublayers under the built-in engine's
     # short names, and the analyses read the file
-    from enginetap.tap.diff import diff_runs
-    from enginetap.tap.report import analyse, summary
+    from enginetap.tap.analysis.diff import diff_runs
+    from enginetap.tap.analysis.report import analyse, summary
 
     log = (runs["root"] / "offline.log").read_text()
     assert "tap (up to 64 rows per step" in log

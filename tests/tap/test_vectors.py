@@ -12,7 +12,7 @@ from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
 from enginetap.engines.hf import HFEngine
 from enginetap.tap.fingerprint import hash_rows
-from enginetap.tap.pairs import find_pairs
+from enginetap.tap.analysis.pairs import find_pairs
 
 from .conftest import Recorder, requests
 

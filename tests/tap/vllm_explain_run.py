@@ -75,7 +75,7 @@ def main(phase: str, out: Path, case: str) -> None:
     plant.add(target, wrapper)
     plant.install()
     if phase == "record":
-        from enginetap.tap.run import record_vllm_run
+        from enginetap.jobs.tap import record_vllm_run
 
         record_vllm_run(model, SAME, out / "run", batch_size=3, max_new_tokens=new)
         return

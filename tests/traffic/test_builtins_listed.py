@@ -14,7 +14,7 @@ import pytest
 from enginetap.cli.capture import capture
 from enginetap.cli.tap import PROMPTS_HELP
 from enginetap.errors import TrafficError
-from enginetap.tap.run import BUILTIN_PROMPTS, PROMPTS_ABOUT, load_prompts
+from enginetap.jobs.tap import BUILTIN_PROMPTS, PROMPTS_ABOUT, load_prompts
 from enginetap.traffic.profile import save_profile
 from enginetap.traffic.scaling import all_requests
 from enginetap.traffic.sources import (BUILTIN_PROFILES, PROFILE_ABOUT, builtin_profile,

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from enginetap.errors import ConfigError
-from enginetap.tap.run import PROMPT_FILES, PROMPTS_ABOUT
+from enginetap.jobs.tap import PROMPT_FILES, PROMPTS_ABOUT
 
 PROMPTS_HELP = ("builtin:NAME — " + "; ".join(f"{n}: {a}" for n, a in PROMPTS_ABOUT.items())
                 + f" — or a FILE: {PROMPT_FILES} (`enginetap traffic list` lists them all).")
@@ -59,7 +59,7 @@ def run(
 ) -> None:
     """Record a tap run of PROMPTS (request ids p0, p1, ... so runs align)."""
     from enginetap.jobs.device import check_device, check_dtype, require_vllm
-    from enginetap.tap.run import (load_prompts, prepare_out, record_run, record_vllm_run,
+    from enginetap.jobs.tap import (load_prompts, prepare_out, record_run, record_vllm_run,
                                    save_run_command, vector_options)
 
     if engine not in ("builtin", "vllm", "sglang"):
@@ -115,8 +115,8 @@ def report(
     as_json: Annotated[bool, typer.Option("--json", help="Print findings as JSON.")] = False,
 ) -> None:
     """Pairs, continuity, metadata and sampler findings of one run."""
-    from enginetap.tap.files import load_run
-    from enginetap.tap.report import analyse, html_page, summary
+    from enginetap.tap.analysis.files import load_run
+    from enginetap.tap.analysis.report import analyse, html_page, summary
 
     run = load_run(run_dir)
     if html is not None:
@@ -146,9 +146,9 @@ def diff(
     html: Annotated[Path | None, typer.Option(help="Write one self-contained HTML page.")] = None,
 ) -> None:
     """First diverging (step, layer, sublayer) per request and overall; exit 1 if any."""
-    from enginetap.tap.diff import check_comparable, diff_runs, nothing_compared
-    from enginetap.tap.files import TapError, load_run
-    from enginetap.tap.report import diff_page
+    from enginetap.tap.analysis.diff import check_comparable, diff_runs, nothing_compared
+    from enginetap.tap.analysis.files import TapError, load_run
+    from enginetap.tap.analysis.report import diff_page
 
     first, second = load_run(run_a), load_run(run_b)
     if html is not None:
@@ -180,7 +180,7 @@ def _refuse_page_target(html: Path, runs: list[Any]) -> None:
     """
     import re
 
-    from enginetap.tap.files import TapError
+    from enginetap.tap.analysis.files import TapError
 
     if html.is_dir():
         raise TapError(f"--html {html} is a directory", "the page is one file",
@@ -206,7 +206,7 @@ def _write_page(html: Path, page: str) -> None:
         TapError: the write failed (the previous page, if any, is left as it was).
     """
     from enginetap.dataset.atomic import replace_text
-    from enginetap.tap.files import TapError
+    from enginetap.tap.analysis.files import TapError
 
     try:
         replace_text(html, page)
@@ -259,8 +259,8 @@ def explain(
     """Re-run a finding's prompts, catch the culprit op's calls, replay them alone, at
     other batch positions and twice, and say what kind of bug it is; write REPRO."""
     from enginetap.jobs.explain import explain as run_explain
-    from enginetap.tap.culprit import find_culprit
-    from enginetap.tap.files import load_run
+    from enginetap.tap.analysis.culprit import find_culprit
+    from enginetap.tap.analysis.files import load_run
 
     if pair is not None and (pair.count("/") != 1 or not all(pair.split("/"))):
         raise ConfigError(f"--pair {pair!r} is not A/B", "a pair is two request keys",

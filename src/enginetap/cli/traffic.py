@@ -102,7 +102,7 @@ def _refuse_own_input(spec: str, out_path: Path) -> None:
 def list_builtins() -> None:
     """Built-in traffic profiles, trace formats, the shipped Mooncake sample, and the
     prompt sets and prompt-file format of `enginetap tap run --prompts`."""
-    from enginetap.tap.run import BUILTIN_PROMPTS, PROMPT_FILES, PROMPTS_ABOUT
+    from enginetap.jobs.tap import BUILTIN_PROMPTS, PROMPT_FILES, PROMPTS_ABOUT
     from enginetap.traffic.sources import BUILTIN_PROFILES, PROFILE_ABOUT, packaged_trace_path
 
     lines = ["built-in traffic profiles (capture --profile builtin:NAME; "

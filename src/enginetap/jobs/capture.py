@@ -32,9 +32,10 @@ from typing import Any, Literal
 
 from enginetap.capture.labels import write_labels
 from enginetap.capture.summary import CaptureSummary
-from enginetap.config import ARMING_VARS, ArmConfig
+from enginetap.config import ArmConfig
 from enginetap.errors import ConfigError
 from enginetap.jobs.device import require_vllm
+from enginetap.jobs.engine import arm_processes, build_llm, resolve_model, write_arming
 
 __all__ = ["CaptureJob", "CaptureResult", "RUN_DIR", "run_capture"]
 
@@ -83,7 +84,7 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
     Raises:
         ConfigError, TrafficError, DefinitionError: bad input, before anything is written.
     """
-    model_dir = _model_dir(job.model)
+    model_dir = resolve_model(job.model)
     if job.engine == "sglang":
         from enginetap.engines.sglang.run import check_engine
 
@@ -98,7 +99,7 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
                     "policy": job.policy, "labels_file": str(run_dir / "capture-labels.json")},
         # the step log of the captured steps only: a step capture skips costs nothing
         "step": {"record": "selected"}})
-    (run_dir / "arming.json").write_text(config.model_dump_json(indent=2) + "\n")
+    write_arming(config, run_dir / "arming.json")
     _status(run_dir, "running", job)
     try:
         runner = {"builtin": _run_builtin, "sglang": _run_sglang}.get(job.engine, _run_vllm)
@@ -116,18 +117,6 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
 
 
 # ---------------------------------------------------------------------- checks
-def _model_dir(model: str) -> Path:
-    if model.startswith("builtin:"):
-        from enginetap.models import build_model
-
-        return Path(build_model(model.partition(":")[2]))
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"no model at {model}", "the directory has no config.json",
-                          "pass a model directory or builtin:NAME (`enginetap models list`)")
-    return path
-
-
 def _check_definitions(job: CaptureJob, model_dir: Path) -> None:
     """Every ``--definitions`` entry must name a family or definition this model runs."""
     from enginetap.definitions.base import family_of
@@ -297,16 +286,9 @@ def _run_vllm(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfig,
     from enginetap.traffic.drivers import VLLMDriver
     from enginetap.traffic.runner import run_profile
 
-    for name in ARMING_VARS:
-        os.environ.pop(name, None)
-    os.environ["ENGINETAP_CONFIG"] = str(run_dir / "arming.json")
-    if job.tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), tensor_parallel_size=job.tp, gpu_memory_utilization=0.3,
-              enforce_eager=True, max_model_len=VLLM_MAX_LEN, enable_prefix_caching=True,
-              seed=0, dtype=job.dtype or "auto")
+    arm_processes(run_dir / "arming.json", job.tp)
+    llm = build_llm(model_dir, tp=job.tp, dtype=job.dtype or "auto",
+                    max_model_len=VLLM_MAX_LEN, enable_prefix_caching=True)
     try:
         if on_engine is not None:
             on_engine(llm)
@@ -329,9 +311,7 @@ def _run_sglang(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfi
     if job.tp > 1:
         raise ConfigError("--tp needs --engine vllm", "enginetap's SGLang probes capture TP=1",
                           "drop --tp")
-    for name in ARMING_VARS:
-        os.environ.pop(name, None)
-    os.environ["ENGINETAP_CONFIG"] = str(run_dir / "arming.json")
+    arm_processes(run_dir / "arming.json")
     engine = start_engine(model_dir, dtype=job.dtype or "auto")
     try:
         if on_engine is not None:

@@ -1,6 +1,6 @@
 """``enginetap tap explain``: from a tap finding to the kind of bug behind it.
 
-1. The finding (:func:`enginetap.tap.culprit.find_culprit`) names a checkpoint, a step and
+1. The finding (:func:`enginetap.tap.analysis.culprit.find_culprit`) names a checkpoint, a step and
    two sides (two requests of one run, or one request in two runs).
 2. Each run is recorded again from its header's ``options.run`` (same prompts, batch
    size, dtype, tap options) on the built-in engine, or on vLLM CPU in this process (a
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
-from enginetap.tap.culprit import Culprit, Side, recheck
+from enginetap.tap.analysis.culprit import Culprit, Side, recheck
 
 __all__ = ["ExplainResult", "explain"]
 
@@ -199,21 +199,21 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
     from enginetap.core.capability import current_arming
     from enginetap.core.jsonl import close_all
     from enginetap.jobs.explain_calls import Catcher
-    from enginetap.tap.run import _arm_vllm_processes, _generate_batch, _model_dir
+    from enginetap.jobs.engine import build_llm, resolve_model
+    from enginetap.jobs.tap import arm_tap_processes, generate_batch
 
     facts, model = side.facts, str(side.facts["model"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    _arm_vllm_processes(tap_dir, {**side.tap, "run": facts}, 1)
+    arm_tap_processes(tap_dir, {**side.tap, "run": facts}, 1)
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
     except ImportError:
         raise ConfigError("vLLM is not installed", "the run was recorded on vLLM",
                           "pip install enginetap[vllm]") from None
     size = int(facts.get("batch_size") or 8)
     with _quiet():
-        llm = LLM(model=str(_model_dir(model)), tensor_parallel_size=1,
-                  gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False,
-                  max_num_seqs=size, seed=0, dtype=_vllm_dtype(facts))
+        llm = build_llm(resolve_model(model), dtype=_vllm_dtype(facts),
+                        enable_prefix_caching=False, max_num_seqs=size)
     arming = current_arming()
     hooks = arming.hooks if arming is not None else None
     loaded: list[Any] = []  # the model vLLM loaded in this process (the engine core's)
@@ -233,7 +233,7 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
                                 temperature=0.0)
         prompts, done = list(facts["prompts"]), {}
         for start in range(0, len(prompts), size):
-            _generate_batch(llm.llm_engine, prompts, start, size, params, done)
+            generate_batch(llm.llm_engine, prompts, start, size, params, done)
     finally:
         catcher.uninstall()
         loaded.clear()

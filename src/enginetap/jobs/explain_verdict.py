@@ -25,7 +25,7 @@ import torch
 from enginetap.jobs.explain import ExplainResult
 from enginetap.jobs.explain_calls import Caught, call_again, first_tensor
 from enginetap.jobs.explain_layout import Layout, common_rows, pick_slice, request_inputs
-from enginetap.tap.culprit import Culprit
+from enginetap.tap.analysis.culprit import Culprit
 
 __all__ = ["judge", "side_output", "write_repro"]
 
@@ -83,7 +83,7 @@ def _shape(caught: Caught) -> str:
 def judge(culprit: Culprit, ca: Caught, cb: Caught,
           again: tuple[bool, str] = (True, "")) -> ExplainResult:
     """The verdict on one op; ``result.records`` are REPRO's workloads. ``again``: whether
-    the re-run split the same way, and how (:func:`~enginetap.tap.culprit.recheck`)."""
+    the re-run split the same way, and how (:func:`~enginetap.tap.analysis.culprit.recheck`)."""
     a, b = culprit.sides
     limit = common_rows(ca.step, a.key, cb.step, b.key)
     layouts = (Layout.of(ca.step), Layout.of(cb.step))

@@ -4,9 +4,8 @@ points)."""
 
 from __future__ import annotations
 
-from enginetap.tap.format import FORMAT
 from enginetap.tap.record.checkpointer import outputs_of
 from enginetap.tap.record.quick import QuickPlan
 from enginetap.tap.record.recorder import TapRecorder
 
-__all__ = ["FORMAT", "QuickPlan", "TapRecorder", "outputs_of"]
+__all__ = ["QuickPlan", "TapRecorder", "outputs_of"]

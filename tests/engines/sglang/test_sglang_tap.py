@@ -52,8 +52,8 @@ def _report(runs: dict[str, Path]) -> dict:
 
 
 def test_sublayers_kv_rows_state_and_sampler_are_recorded_and_continuous(runs) -> None:
-    from enginetap.tap.continuity import check_continuity, check_metadata
-    from enginetap.tap.files import load_run
+    from enginetap.tap.analysis.continuity import check_continuity, check_metadata
+    from enginetap.tap.analysis.files import load_run
 
     run = load_run(runs["faults"])
     assert run.header["engine"] == "sglang"
@@ -77,8 +77,8 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis_and_tap_report(runs) -> N
     from typer.testing import CliRunner
 
     from enginetap.cli.main import app
-    from enginetap.tap.files import load_run
-    from enginetap.tap.pairs import find_pairs
+    from enginetap.tap.analysis.files import load_run
+    from enginetap.tap.analysis.pairs import find_pairs
 
     rank = load_run(runs["faults"]).rank(0)
     fault = _report(runs)["written"]
@@ -94,8 +94,8 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis_and_tap_report(runs) -> N
 
 
 def test_an_overwritten_kv_row_and_state_slot_are_named(runs) -> None:
-    from enginetap.tap.continuity import check_continuity
-    from enginetap.tap.files import load_run
+    from enginetap.tap.analysis.continuity import check_continuity
+    from enginetap.tap.analysis.files import load_run
 
     rank = load_run(runs["faults"]).rank(0)
     written = _report(runs)["written"]
@@ -116,10 +116,10 @@ def test_armed_and_disarmed_tokens_are_identical(runs) -> None:
 
 
 def test_tap_run_engine_sglang_and_diff_against_the_builtin_engine(runs, tmp_path) -> None:
-    from enginetap.tap.diff import diff_runs
-    from enginetap.tap.files import load_run
-    from enginetap.tap.pairs import find_pairs
-    from enginetap.tap.run import load_prompts, record_run
+    from enginetap.tap.analysis.diff import diff_runs
+    from enginetap.tap.analysis.files import load_run
+    from enginetap.tap.analysis.pairs import find_pairs
+    from enginetap.jobs.tap import load_prompts, record_run
 
     run = load_run(runs["cli"])
     rank = run.rank(0)

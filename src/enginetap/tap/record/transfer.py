@@ -15,7 +15,7 @@ import torch
 from enginetap.core.context import Step
 from enginetap.core.jsonl import NonFinite
 from enginetap.core.tensors import capturing
-from enginetap.tap.format import FORMAT, VERSION
+from enginetap.tap.schema import header_record, step_record
 
 __all__ = ["Transfer"]
 
@@ -159,17 +159,16 @@ class Transfer:
     def _write_header(self, step: Step) -> None:
         self._header = True
         hooks = self.context.hooks
-        header = {
-            "kind": "header", "format": FORMAT, "version": VERSION,
-            "engine": step.engine, "engine_version": hooks.engine_version(),
-            "world_size": self.context.world_size, "tp_size": self.context.world_size,
-            "kv_block_size": step.kv_block_size, "models": self.models,
-            "cache_groups": step.extra.get("cache_groups"),
-            "options": self.options.model_dump(),
-            "compiled": step.extra.get("compiled") or torch.compiler.is_compiling(),
-            "cuda_graphs": capturing(), "eager": not capturing(),
-            "torch": torch.__version__, "host": platform.node(),
-        }
+        header = header_record(
+            engine=step.engine, engine_version=hooks.engine_version(),
+            world_size=self.context.world_size, tp_size=self.context.world_size,
+            kv_block_size=step.kv_block_size, models=self.models,
+            cache_groups=step.extra.get("cache_groups"),
+            options=self.options.model_dump(),
+            compiled=step.extra.get("compiled") or torch.compiler.is_compiling(),
+            cuda_graphs=capturing(), eager=not capturing(),
+            torch=torch.__version__, host=platform.node(),
+        )
         if self.compiled is not None:
             header["compiled"] = "torch.compile"
             header["not_placed"] = self.compiled.not_placed
@@ -195,7 +194,7 @@ def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]
             tail = flat[len(names) * k:].tolist()
             sampler = [tail[r * 4:r * 4 + 4] for r in range(k)]
     rows = [_sampler_row(s) for s in sampler]
-    record = {**head, "hashes": [hashes[n] for n in head["checkpoints"]], "sampler": rows}
+    record = step_record(**head, hashes=[hashes[n] for n in head["checkpoints"]], sampler=rows)
     # The sampler's logits are the record's only floats; a masked vocabulary (constrained
     # decoding) makes them infinite, which only json writes as they are.
     if all(math.isfinite(r["top1"]) and math.isfinite(r["top2"]) for r in rows):

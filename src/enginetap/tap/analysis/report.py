@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from enginetap.tap.continuity import (Violation, check_continuity, check_metadata,
+from enginetap.tap.analysis.continuity import (Violation, check_continuity, check_metadata,
                                       metadata_checked)
-from enginetap.tap.crossrank import RankMismatch, compare_ranks
-from enginetap.tap.diff import RunDiff
-from enginetap.tap.files import TapRun
-from enginetap.tap.format import RUN_FILE
-from enginetap.tap.pairs import (PairSummary, SamplerSplit, SplitFinding, layer_of,
+from enginetap.tap.analysis.crossrank import RankMismatch, compare_ranks
+from enginetap.tap.analysis.diff import RunDiff
+from enginetap.tap.analysis.files import TapRun
+from enginetap.tap.schema import RUN_FILE
+from enginetap.tap.analysis.pairs import (PairSummary, SamplerSplit, SplitFinding, layer_of,
                                   pair_splits, sampler_splits)
-from enginetap.tap.splitsize import SplitSize, split_size
+from enginetap.tap.analysis.splitsize import SplitSize, split_size
 
 __all__ = ["Analysis", "analyse", "diff_page", "html_page", "next_commands", "summary"]
 

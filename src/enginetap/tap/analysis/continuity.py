@@ -17,7 +17,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from enginetap.tap.files import RankTap, StepRecord
+from enginetap.tap.analysis.files import RankTap, StepRecord
 
 __all__ = ["Violation", "check_continuity", "check_metadata", "metadata_checked"]
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from enginetap.tap.files import RankTap, StepRecord, TapRun
+from enginetap.tap.analysis.files import RankTap, StepRecord, TapRun
 
 __all__ = ["RankMismatch", "REPLICATED", "compare_ranks", "merge_ranks"]
 

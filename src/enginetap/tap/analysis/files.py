@@ -2,9 +2,10 @@
 
 A run is a directory holding ``tap-rank<r>.jsonl`` (or the path of one such file). Every
 file starts with a header naming the format; every other line is one step. Anything else
-(a truncated line, a file from another tool, a missing rank, a record of the wrong shape)
-is refused with a :class:`TapError` that names the file and the line ("bad record at
-FILE:LINE: why"). Only regular files are read (a FIFO or a device is refused without
+(a truncated line, a file from another tool, a missing rank, a record of the wrong shape:
+every line is validated through :mod:`enginetap.tap.schema`) is refused with a
+:class:`TapError` that names the file and the line ("bad record at FILE:LINE: why").
+Only regular files are read (a FIFO or a device is refused without
 blocking) and one line holds at most :data:`MAX_LINE` bytes.
 """
 
@@ -16,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from enginetap.core.files import NotRegular, iter_lines
 from enginetap.core.ranks import rank_files
 from enginetap.errors import EnginetapError
-from enginetap.tap.format import FORMAT, VERSION
+from enginetap.tap.schema import FORMAT, HASH_DIGITS, VERSION, TapHeader, TapStep
 
 __all__ = ["RankTap", "StepRecord", "TapError", "TapRun", "load_run"]
 
@@ -42,7 +45,7 @@ class StepRecord:
     line: int
     dropped: list[str] = field(default_factory=list)
     """Checkpoints left out of this step: deferred tensors modified in place before step
-    end (see :mod:`enginetap.tap.deferred`)."""
+    end (see :mod:`enginetap.tap.record.deferred`)."""
 
     def hash_of(self, checkpoint: int, row: int) -> str:
         return self.hashes[checkpoint][row]
@@ -74,21 +77,11 @@ MAX_LINE = 64 << 20
 """Bytes one line of a tap file may hold (a step of 4,096 rows and 300 checkpoints takes
 about 20 MiB): a longer line is refused without being read into memory."""
 
-MAX_WORLD = 1 << 16
-"""The largest world size a header may declare (every rank writes its own file)."""
-
-_STEP_FIELDS = {"step": int, "mode": str, "rows": list, "checkpoints": list, "hashes": list}
-_ROW_INTS = ("computed_host", "computed_device", "kv_slot", "state_slot", "planned",
-             "query_len", "seq_len", "token_index", "row", "tok")
 _FIX = "record the run again with this enginetap; a tap file is written by the tap only"
 
 
 def _bad(path: Path, number: int, why: str, fix: str = _FIX) -> TapError:
     return TapError(f"bad record at {path}:{number}", why, fix)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _parse_line(path: Path, number: int, raw: bytes | None) -> dict[str, Any]:
@@ -121,79 +114,47 @@ def _check_header(path: Path, record: dict[str, Any]) -> None:
         raise TapError(f"{path}:1: tap format version {record.get('version')!r}",
                        f"this enginetap reads version {VERSION}",
                        "analyse it with the enginetap that recorded it")
-    models = record.get("models", [])
-    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
-        raise _bad(path, 1, "header field 'models' is not a list of objects")
-    world = record.get("world_size", 1)
-    if world is not None and not (_is_int(world) and 1 <= world <= MAX_WORLD):
-        raise _bad(path, 1, f"header field 'world_size' is {str(world)[:40]!r}, not a rank "
-                            f"count from 1 to {MAX_WORLD}")
-    for name in ("cache_groups", "options"):
-        if not isinstance(record.get(name) or {}, dict):
-            raise _bad(path, 1, f"header field {name!r} is not an object")
+    _validate(TapHeader, path, 1, record)
 
 
-def _check_row(path: Path, number: int, i: int, row: Any) -> None:
-    if not isinstance(row, dict):
-        raise _bad(path, number, f"row {i} is a {type(row).__name__}, not an object")
-    if not isinstance(row.get("key"), str):
-        raise _bad(path, number, f"row {i} has no 'key' (the request key, a string)")
-    if not _is_int(row.get("pos")):
-        raise _bad(path, number, f"row {i} has no 'pos' (its position, an integer)")
-    row.setdefault("prefix", None)
-    row.setdefault("request_id", None)
-    row.setdefault("computed_host", None)
-    if not isinstance(row["prefix"], (str, type(None))):
-        raise _bad(path, number, f"row {i}: 'prefix' is not a string")
-    if not isinstance(row["request_id"], (str, type(None))):
-        raise _bad(path, number, f"row {i}: 'request_id' is not a string")
-    for name in _ROW_INTS:
-        if row.get(name) is not None and not _is_int(row[name]):
-            raise _bad(path, number, f"row {i}: {name!r} is not an integer")
-    for name in ("kv_groups", "state_groups"):
-        groups = row.get(name)
-        if groups is not None and not (isinstance(groups, dict)
-                                       and all(_is_int(v) for v in groups.values())):
-            raise _bad(path, number, f"row {i}: {name!r} is not an object of slots")
+def _validate(model: type[BaseModel], path: Path, number: int, record: dict[str, Any]) -> None:
+    try:
+        model.model_validate(record)
+    except ValidationError as exc:
+        raise _bad(path, number, _first_error(model, exc)) from None
 
 
-def _check_sampler(path: Path, number: int, record: dict[str, Any]) -> None:
-    sampler = record.get("sampler") or []
-    if not isinstance(sampler, list) or not all(
-            isinstance(s, dict) and _is_int(s.get("argmax"))
-            and isinstance(s.get("gap"), (int, float)) and not isinstance(s["gap"], bool)
-            for s in sampler):
-        raise _bad(path, number, "'sampler' is not a list of objects with an integer "
-                                 "'argmax' and a numeric 'gap'")
-    sampled = record.get("sampled") or {}
-    if not isinstance(sampled, dict) or not all(_is_int(t) for t in sampled.values()):
-        raise _bad(path, number, "'sampled' is not an object of request id to token id")
+def _first_error(model: type[BaseModel], exc: ValidationError) -> str:
+    """The first failure, its field named as a reader of the file would: ``row 3: 'pos'
+    ...``, ``checkpoint 2 ...``, ``header field 'models' ...``."""
+    error = exc.errors(include_url=False)[0]
+    loc, msg = list(error["loc"]), error["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
+    if model is TapHeader:
+        return f"header field {loc[0]!r}: {msg}"
+    if loc[0] == "rows" and len(loc) > 2:
+        return f"row {loc[1]}: {loc[2]!r}: {msg}"
+    if loc[0] == "rows" and len(loc) == 2:
+        return f"row {loc[1]}: {msg} (a row is an object)"
+    if loc[0] == "checkpoints" and len(loc) > 1:
+        return f"checkpoint {loc[1]}: {msg} (a checkpoint name is a string)"
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    return f"{loc[0]!r}{where}: {msg}"
 
 
 def _step(path: Path, number: int, record: dict[str, Any]) -> StepRecord:
-    for name, kind in _STEP_FIELDS.items():
-        value = record.get(name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise _bad(path, number, f"step record without a valid {name!r}: expected "
-                                     f"{kind.__name__}, got {type(value).__name__}")
-    rows, checkpoints, packed = record["rows"], record["checkpoints"], record["hashes"]
-    for i, row in enumerate(rows):
-        _check_row(path, number, i, row)
-    if not all(isinstance(name, str) for name in checkpoints):
-        raise _bad(path, number, "a checkpoint name is not a string")
-    if len(packed) != len(checkpoints) \
-            or any(not isinstance(h, str) or len(h) != 16 * len(rows) for h in packed):
-        raise _bad(path, number, f"hashes do not match checkpoints x rows ({len(checkpoints)} "
-                                 f"checkpoints, {len(rows)} rows)",
-                   "record the run again; the file is corrupt")
-    _check_sampler(path, number, record)
-    dropped = record.get("dropped") or []
-    if not isinstance(dropped, list):
-        raise _bad(path, number, "'dropped' is not a list of checkpoint names")
-    hashes = [[h[i:i + 16] for i in range(0, len(h), 16)] for h in packed]
-    return StepRecord(record["step"], record["mode"], rows, checkpoints, hashes,
+    _validate(TapStep, path, number, record)
+    rows = record["rows"]
+    for row in rows:
+        row.setdefault("prefix", None)
+        row.setdefault("request_id", None)
+        row.setdefault("computed_host", None)
+    hashes = [[h[i:i + HASH_DIGITS] for i in range(0, len(h), HASH_DIGITS)]
+              for h in record["hashes"]]
+    return StepRecord(record["step"], record["mode"], rows, record["checkpoints"], hashes,
                       record.get("sampler") or [], record.get("sampled") or {}, number,
-                      [str(n) for n in dropped])
+                      [str(n) for n in record.get("dropped") or []])
 
 
 def load_rank(path: Path) -> RankTap:

@@ -16,7 +16,7 @@ from itertools import combinations
 from typing import Any
 
 from enginetap.tap.compare import PER_REQUEST, comparable, compared, last_of_request
-from enginetap.tap.files import RankTap, StepRecord
+from enginetap.tap.analysis.files import RankTap, StepRecord
 
 __all__ = ["PairFinding", "PairSummary", "SamplerFinding", "SamplerSplit", "SplitFinding",
            "find_pairs", "layer_of", "pair_splits", "sampler_findings", "sampler_splits"]

@@ -14,9 +14,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from enginetap.tap.crossrank import merge_ranks
-from enginetap.tap.files import RankTap, StepRecord, TapError, TapRun
-from enginetap.tap.pairs import layer_of
+from enginetap.tap.analysis.crossrank import merge_ranks
+from enginetap.tap.analysis.files import RankTap, StepRecord, TapError, TapRun
+from enginetap.tap.analysis.pairs import layer_of
 from enginetap.tap.compare import comparable, last_of_request
 
 __all__ = ["Divergence", "RunDiff", "check_comparable", "diff_ranks", "diff_runs",
@@ -220,7 +220,7 @@ def check_comparable(run_a: TapRun, run_b: TapRun) -> list[str]:
 def diff_runs(run_a: TapRun, run_b: TapRun) -> list[RunDiff]:
     """One :class:`RunDiff` per rank both runs have (rank to rank); runs of different
     rank counts (TP sizes) are compared once, each merged
-    (:func:`~enginetap.tap.crossrank.merge_ranks`: only checkpoints whole on every rank).
+    (:func:`~enginetap.tap.analysis.crossrank.merge_ranks`: only checkpoints whole on every rank).
 
     Raises:
         TapError: the runs had different prompts, or share no rank.

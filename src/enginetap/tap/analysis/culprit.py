@@ -1,7 +1,7 @@
 """The culprit of a tap finding: which step, checkpoint and requests ``tap explain`` looks at.
 
-A pair (two same-prefix requests of one run, :func:`~enginetap.tap.pairs.find_pairs`) or a
-diff (one request in two runs, :func:`~enginetap.tap.diff.diff_runs`) names the first
+A pair (two same-prefix requests of one run, :func:`~enginetap.tap.analysis.pairs.find_pairs`) or a
+diff (one request in two runs, :func:`~enginetap.tap.analysis.diff.diff_runs`) names the first
 checkpoint where bytes that should be equal are not. This module picks that finding and
 turns it into *sides*: for each of the two things compared, the run to re-run (its
 header's ``options.run``), the step and the request key. Analysis only: no torch.
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from enginetap.tap.diff import diff_runs
-from enginetap.tap.files import TapError, TapRun, load_run
-from enginetap.tap.pairs import find_pairs
+from enginetap.tap.analysis.diff import diff_runs
+from enginetap.tap.analysis.files import TapError, TapRun, load_run
+from enginetap.tap.analysis.pairs import find_pairs
 
 __all__ = ["Culprit", "Side", "find_culprit", "module_of", "recheck", "run_facts_of",
            "tap_options"]

@@ -1,4 +1,5 @@
-"""Recording a tap run: prompts in batches, one armed engine (built-in or vLLM CPU).
+"""The tap job: prompts in batches through one armed engine (built-in or vLLM CPU),
+recorded to a folder that ``enginetap tap report``/``diff`` read.
 
 Request ids are ``p<index>`` (index in the prompt list), so runs of the same prompts at
 other batch sizes, TP sizes or on the other engine align request by request in
@@ -12,12 +13,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from enginetap.config import ArmConfig
 from enginetap.errors import ConfigError
-from enginetap.tap.format import RUN_FILE
+from enginetap.jobs.device import require_vllm
+from enginetap.jobs.engine import arm_processes, build_llm, resolve_model, write_arming
+from enginetap.tap.schema import RUN_FILE
 
 __all__ = ["BUILTIN_PROMPTS", "MAX_PROMPT_BYTES", "PROMPTS_ABOUT", "PROMPT_FILES", "RUN_FILE",
-           "load_prompts", "prepare_out", "record_run", "record_vllm_run", "run_facts",
-           "save_run_command", "vector_options"]
+           "arm_tap_processes", "generate_batch", "load_prompts", "prepare_out", "record_run",
+           "record_vllm_run", "run_facts", "save_run_command", "tap_config", "vector_options"]
 
 MAX_PROMPT_BYTES = 64 << 20
 """Largest prompt file read."""
@@ -193,7 +197,6 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
     """
     import torch
 
-    from enginetap.config import ArmConfig
     from enginetap.core.jsonl import close_all
     from enginetap.engines.hf import HFEngine, Request
     from enginetap.engines.hf.arming import disarm
@@ -201,10 +204,8 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
     tap = {"run": run_facts("builtin", model, prompts, batch_size=batch_size,
                             max_new_tokens=max_new_tokens, dtype=dtype, device=device),
            **(tap or {})}
-    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
-                       options={"tap": tap, "step": {"record": False}})
     kwargs = {"dtype": getattr(torch, dtype), "device": device, "prefix_cache_size": 0,
-              "arm": config, "compile": compile}
+              "arm": tap_config(out, tap), "compile": compile}
     try:
         engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
                   if model.startswith("builtin:") else HFEngine(model, **kwargs))
@@ -232,25 +233,20 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
         ConfigError: the model or the tap options are invalid, or vLLM is not installed
             (checked before anything is written to ``out``).
     """
-    model_dir = _model_dir(model)
+    require_vllm("tap")  # before anything is written to ``out``
+    folder = resolve_model(model)
     tap = {"run": run_facts("vllm", model, prompts, batch_size=batch_size,
                             max_new_tokens=max_new_tokens, dtype=dtype, tp=tp), **(tap or {})}
-    try:  # importing vLLM loads no plugin: the arming below still precedes the engine
-        from vllm import LLM, SamplingParams
-    except (ImportError, OSError) as exc:
-        raise ConfigError("vLLM is not installed" if isinstance(exc, ModuleNotFoundError)
-                          else "vLLM does not import", f"--engine vllm runs vllm.LLM ({exc})",
-                          "pip install enginetap[vllm] (or tap with --engine builtin)"
-                          ) from None
-    _arm_vllm_processes(out, tap, tp)
-    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, gpu_memory_utilization=0.3,
-              enforce_eager=True, enable_prefix_caching=False, max_num_seqs=batch_size,
-              seed=0, dtype=dtype)
+    from vllm import SamplingParams
+
+    arm_tap_processes(out, tap, tp)
+    llm = build_llm(folder, tp=tp, dtype=dtype, enable_prefix_caching=False,
+                    max_num_seqs=batch_size)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     try:
         done: dict[str, list[int]] = {}
         for start in range(0, len(prompts), batch_size):
-            _generate_batch(llm.llm_engine, prompts, start, batch_size, params, done)
+            generate_batch(llm.llm_engine, prompts, start, batch_size, params, done)
         return [done[f"p{i}"] for i in range(len(prompts))]
     finally:
         del llm  # shuts the engine core and its workers down: they flush their writers
@@ -259,31 +255,24 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
         gc.collect()
 
 
-def _arm_vllm_processes(out: Path, tap: dict[str, Any], tp: int) -> None:
-    """This process's environment arms every vLLM process it starts (and itself)."""
-    from enginetap.config import ARMING_VARS, ArmConfig
+def tap_config(out: Path, tap: dict[str, Any]) -> ArmConfig:
+    """The arming config of a tap run: the tap alone (``tap``: its options), no step log.
 
-    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
-                       options={"tap": tap, "step": {"record": False}})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "arming.json").write_text(config.model_dump_json(), encoding="utf-8")
-    for name in ARMING_VARS:
-        os.environ.pop(name, None)
-    os.environ["ENGINETAP_CONFIG"] = str(out / "arming.json")
-    if tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    Raises:
+        pydantic.ValidationError: the tap options are invalid.
+    """
+    return ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
+                     options={"tap": tap, "step": {"record": False}})
 
 
-def _model_dir(model: str) -> Path:
-    if model.startswith("builtin:"):
-        from enginetap.models import build_model
-
-        return Path(build_model(model.partition(":")[2]))
-    return Path(model)
+def arm_tap_processes(out: Path, tap: dict[str, Any], tp: int = 1) -> None:
+    """Every engine process started from this one (and this one) taps into ``out``,
+    armed through ``<out>/arming.json``."""
+    arm_processes(write_arming(tap_config(out, tap), out / "arming.json"), tp)
 
 
-def _generate_batch(engine: Any, prompts: list[str], start: int, size: int, params: Any,
-                    done: dict[str, list[int]]) -> None:
+def generate_batch(engine: Any, prompts: list[str], start: int, size: int, params: Any,
+                   done: dict[str, list[int]]) -> None:
     """Requests ``p<start>``... as one batch, stepped until all finished (ids like the
     built-in engine's, so runs align across engines)."""
     for i, prompt in enumerate(prompts[start:start + size], start):
