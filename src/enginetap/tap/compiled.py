@@ -19,7 +19,8 @@ Under CUDA graphs (the built-in engine's ``mode="graphs"``) the same hooks call
 ``enginetap::tap_hash_rows_fixed`` instead: the padded row count is a constant of the
 captured shape and the tapped rows' index tensor is one static tensor per captured batch
 size (:meth:`CompiledTap.capturing`), refilled in place before each replay, so a replay
-does no host work per checkpoint. Index entries past the step's tapped rows repeat its
+does no host work per checkpoint. On CUDA the gather and hash are one Triton launch
+(:mod:`enginetap.tap.rowhash`). Index entries past the step's tapped rows repeat its
 first row and are never read back: padding rows are never recorded.
 
 Kernel-level points (KV rows, recurrent state around the step) are read by the eager
@@ -37,6 +38,7 @@ import torch
 from enginetap.tap.fingerprint import _weights_from, _words, token_rows
 from enginetap.tap.points import CheckpointNames, _hidden
 from enginetap.tap.recorder import TapRecorder, outputs_of
+from enginetap.tap.rowhash import fused_hash
 
 if TYPE_CHECKING:
     from enginetap.tap.arming import TapInstall
@@ -49,7 +51,7 @@ logger = logging.getLogger("enginetap.tap")
 def _hash_into(buffer: torch.Tensor, rows: torch.Tensor | None, index: torch.Tensor,
                slot: int) -> None:
     """Hash ``rows[index]`` into ``buffer[slot]`` and flag the slot written."""
-    if rows is None:
+    if rows is None or fused_hash(buffer, rows, index, slot):
         return
     picked = rows.index_select(0, index.to(rows.device))
     words = _words(picked.contiguous())
@@ -139,6 +141,9 @@ class CompiledTap:
         self._names = installed.names
         self._taken: dict[int, Any] = {}
         self._off: list[str] = []
+        self.alias: dict[int, int] = {}
+        """Graphs mode: slot -> the slot whose hashes it repeats (see :meth:`_hash`)."""
+        self._last: tuple[Any, int] = (None, -1)
 
     def header(self) -> dict[str, Any]:
         """What the tap file's header says of this mode."""
@@ -203,9 +208,19 @@ class CompiledTap:
     def _hash(self, tensor: torch.Tensor, name: str) -> None:
         if self.mode == "torch.compile":
             torch.ops.enginetap.tap_hash_rows(self.buffer, tensor, self.index, self._slot(name))
-        elif self.padded:
-            torch.ops.enginetap.tap_hash_rows_fixed(self.buffer, tensor, self.index,
-                                                    self._slot(name), self.padded)
+            return
+        if not self.padded:
+            return
+        slot = self._slot(name)
+        if tensor is self._last[0]:
+            # The very tensor the last checkpoint hashed, nothing run in between (a
+            # layer's output is the next layer's input): its hashes are copied at collect.
+            self.alias[slot] = self._last[1]
+            return
+        self.alias.pop(slot, None)
+        torch.ops.enginetap.tap_hash_rows_fixed(self.buffer, tensor, self.index, slot,
+                                                self.padded)
+        self._last = (tensor, slot)
 
     def _pre_hook(self, name: str) -> Any:
         def tap_input(module: Any, args: tuple, kwargs: dict) -> None:
@@ -232,6 +247,7 @@ class CompiledTap:
     def capturing(self, padded: int | None) -> None:
         """A CUDA graph of ``padded`` token rows is about to be captured (None: capture
         over): its hooks read that shape's static index tensor."""
+        self._last = (None, -1)
         if padded is None:
             self.padded = 0
             return
@@ -246,7 +262,8 @@ class CompiledTap:
         """Before the forward: the step's tapped rows, and every slot unwritten. The
         index tensor is refilled in place where its size allows (the compiled graph
         reads it as an input; a captured graph, the static tensor of its shape)."""
-        self.buffer[:, -1] = 0
+        self.buffer.zero_()  # flags unwritten; the fused kernel adds into its slots
+        self._last = (None, -1)
         static = self.static.get(padded) if self.mode == "cuda graphs" else None
         if static is not None:
             rows = index.to(torch.int64)[:static.numel()]
@@ -269,5 +286,7 @@ class CompiledTap:
         """After the forward: the names written this step in execution order, and their
         ``[names, k]`` hashes on the host."""
         host = self.buffer[:len(self.order)].cpu()
-        written = [i for i in range(min(len(self.order), host.shape[0])) if host[i, -1]]
+        for slot, source in self.alias.items():
+            host[slot] = host[source]
+        written = host[:, -1].nonzero().flatten().tolist()
         return [self.order[i] for i in written], host[written, :k].contiguous()
