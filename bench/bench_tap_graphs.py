@@ -18,7 +18,8 @@ the first two decode steps of a call are left out (the capture of its bucket). P
 batch and variant the median over rounds of the per-call median step, the spread
 (min-max of those) and the tap's overhead; the tokens of the tap and disarmed calls of
 the same round are compared, and each disarmed call's with the first round's (whether
-the engine itself repeats its tokens run to run at this batch).
+the engine itself repeats its tokens run to run at this batch). The device time of
+each replay (CUDA events around it) splits the tap's cost into device and host.
 """
 
 from __future__ import annotations
@@ -69,8 +70,35 @@ class Clock:
         return [b - a for a, b in zip(times, times[1:])]
 
 
+class ReplayTimer:
+    """Device time of each graph replay (CUDA events around ``CUDAGraph.replay``): the
+    tap's device share of the step, apart from its host work."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Any, Any]] = []
+        original = torch.cuda.CUDAGraph.replay
+
+        def replay(graph: Any) -> None:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            original(graph)
+            end.record()
+            self.pairs.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = replay  # this benchmark's process only
+
+    def take(self, skip: int = 2) -> float:
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in self.pairs[skip:]]
+        self.pairs.clear()
+        return statistics.median(times)
+
+
+TIMER: ReplayTimer | None = None
+
+
 def one_call(model: Any, prompts: list[list[int]], steps: int, armed: bool,
-             out: Path) -> tuple[float, list[list[int]]]:
+             out: Path) -> tuple[float, float, list[list[int]]]:
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                        options={"step": {"record": False}}) if armed else None
     clock = Clock()
@@ -87,7 +115,8 @@ def one_call(model: Any, prompts: list[list[int]], steps: int, armed: bool,
         close_all()
     del engine
     torch.cuda.empty_cache()
-    return statistics.median(clock.intervals()), tokens
+    assert TIMER is not None
+    return statistics.median(clock.intervals()), TIMER.take(), tokens
 
 
 def main() -> None:
@@ -102,6 +131,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     model = build(args.hidden, args.layers, "cuda")
+    global TIMER
+    TIMER = ReplayTimer()
     generator = torch.Generator().manual_seed(0)
     results: dict[str, Any] = {"machine_start": started, "args": vars(args) | {"json": None},
                                "gpu": torch.cuda.get_device_name(), "batches": {}}
@@ -109,14 +140,16 @@ def main() -> None:
         for batch in args.batch:
             prompts = torch.randint(3, 32000, (batch, args.context), generator=generator)
             per: dict[str, list[float]] = {"disarmed": [], "tap": []}
+            replay: dict[str, list[float]] = {"disarmed": [], "tap": []}
             same, repeat, first_disarmed = [], [], None
             for r in range(args.rounds):
                 order = ["disarmed", "tap"] if r % 2 == 0 else ["tap", "disarmed"]
                 got = {}
                 for variant in order:
-                    step, tokens = one_call(model, prompts.tolist(), args.steps,
+                    step, graph, tokens = one_call(model, prompts.tolist(), args.steps,
                                             variant == "tap", Path(tmp) / f"{batch}-{r}")
                     per[variant].append(step * 1e3)
+                    replay[variant].append(graph)
                     got[variant] = tokens
                 same.append(got["tap"] == got["disarmed"])
                 if first_disarmed is None:
@@ -127,12 +160,17 @@ def main() -> None:
             row = {v: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
                        "rounds": t} for v, t in per.items()}
             row["overhead_pct"] = 100 * (on - off) / off
+            r_off, r_on = statistics.median(replay["disarmed"]), statistics.median(replay["tap"])
+            row["replay_ms"] = {"disarmed": replay["disarmed"], "tap": replay["tap"]}
+            row["replay_overhead_ms"] = r_on - r_off
             row["tokens_equal_per_round"] = same
             row["disarmed_equal_to_round0"] = repeat
             results["batches"][str(batch)] = row
             print(f"batch {batch}: disarmed {off:.2f} ms [{min(per['disarmed']):.2f}-"
                   f"{max(per['disarmed']):.2f}], tap {on:.2f} ms [{min(per['tap']):.2f}-"
-                  f"{max(per['tap']):.2f}], overhead {row['overhead_pct']:+.2f} %, "
+                  f"{max(per['tap']):.2f}], overhead {row['overhead_pct']:+.2f} %; graph "
+                  f"replay (device) disarmed {r_off:.3f} ms, tap {r_on:.3f} ms "
+                  f"({r_on - r_off:+.3f} ms), "
                   f"tokens tap==disarmed per round {same}, disarmed==its round 0 {repeat}",
                   flush=True)
     if args.json is not None:

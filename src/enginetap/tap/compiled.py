@@ -286,7 +286,7 @@ class CompiledTap:
         """After the forward: the names written this step in execution order, and their
         ``[names, k]`` hashes on the host."""
         host = self.buffer[:len(self.order)].cpu()
-        for slot, source in self.alias.items():
-            host[slot] = host[source]
+        if self.alias:
+            host[list(self.alias)] = host[list(self.alias.values())]
         written = host[:, -1].nonzero().flatten().tolist()
         return [self.order[i] for i in written], host[written, :k].contiguous()
