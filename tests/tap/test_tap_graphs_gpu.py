@@ -99,6 +99,22 @@ def test_graphs_mode_records_every_sublayer_checkpoint_and_diffs_against_eager(
     print(f"graphs vs eager: first={result.first} by_checkpoint={dict(result.by_checkpoint)}")
 
 
+def _named_exactly(clean: TapRun | None, faulted: TapRun | None,
+                   where: tuple[str, int, str], agrees: str) -> None:
+    """``tap diff`` names ``(request, step, checkpoint)`` first, that request only, and
+    the request's row at ``agrees`` (an input of the checkpoint) is unchanged."""
+    assert clean is not None and faulted is not None
+    (result,) = diff_runs(clean, faulted)
+    assert result.first is not None
+    key, at, _ = where
+    assert (result.first.key, result.first.step_a, result.first.checkpoint) == where
+    assert set(result.per_request) == {key}
+    step, base = faulted.rank(0).steps[at], clean.rank(0).steps[at]
+    row = next(i for i, r in enumerate(step.rows) if r["key"] == key)
+    assert step.hashes[step.checkpoints.index(agrees)][row] == \
+        base.hashes[base.checkpoints.index(agrees)][row]
+
+
 def _plant(monkeypatch: pytest.MonkeyPatch, hook: Any, where: Callable[[HFEngine], Any]
            ) -> None:
     """Register ``hook`` on ``where(engine)`` before the tap's own hooks (and so inside
@@ -126,17 +142,8 @@ def test_a_corrupted_row_is_named_under_graphs(run: Run,
 
     _plant(monkeypatch, corrupt, lambda e: e.model.model.layers[1].mlp)
     _, faulted, _ = run("graphs", lengths=(4, 4, 4))
-    assert clean is not None and faulted is not None
-    (result,) = diff_runs(clean, faulted)
-    assert result.first is not None
-    assert (result.first.key, result.first.step_a, result.first.checkpoint) == (
-        "r1", 1, "L1.mlp.out")
-    assert set(result.per_request) == {"r1"}
-    step, base = faulted.rank(0).steps[1], clean.rank(0).steps[1]
-    row = next(i for i, r in enumerate(step.rows) if r["key"] == "r1")
-    name = "L1.post_norm.out"  # the MLP's input still agrees
-    assert step.hashes[step.checkpoints.index(name)][row] == \
-        base.hashes[base.checkpoints.index(name)][row]
+    # the MLP's input still agrees
+    _named_exactly(clean, faulted, ("r1", 1, "L1.mlp.out"), "L1.post_norm.out")
 
 
 @cuda
@@ -156,17 +163,8 @@ def test_an_overwritten_kv_row_is_named_under_graphs(run: Run,
 
     monkeypatch.setattr(HFEngine, "_advance", advance)
     _, faulted, _ = run("graphs", lengths=(4, 4, 4))
-    assert clean is not None and faulted is not None
-    (result,) = diff_runs(clean, faulted)
-    assert result.first is not None
-    assert (result.first.key, result.first.step_a, result.first.checkpoint) == (
-        "r0", 2, "L0.attn.out")
-    step, base = faulted.rank(0).steps[2], clean.rank(0).steps[2]
-    row = next(i for i, r in enumerate(step.rows) if r["key"] == "r0")
-    name = "L0.in_norm.out"  # the attention's input agrees: the cache was wrong
-    assert step.hashes[step.checkpoints.index(name)][row] == \
-        base.hashes[base.checkpoints.index(name)][row]
-    assert set(result.per_request) == {"r0"}
+    # the attention's input agrees: the cache was wrong
+    _named_exactly(clean, faulted, ("r0", 2, "L0.attn.out"), "L0.in_norm.out")
 
 
 def test_graphs_mode_refuses_the_cpu() -> None:
