@@ -102,6 +102,10 @@ def test_moe_and_hybrid_models_compile_armed_and_equal_eager(run: Run, model: st
     assert tokens == eager_tokens
     assert _no_op_graph_break() == []
     assert compiled.header["not_placed"] == not_placed
+    from enginetap.tap.report import analyse, summary
+
+    assert f"not placed under torch.compile (not recorded in this mode): " \
+        f"{', '.join(not_placed)}" in summary(analyse(compiled))
     for sa, sb in zip(eager.rank(0).steps, compiled.rank(0).steps, strict=True):
         expected = [c for c in sa.checkpoints if c not in not_placed]
         assert sb.checkpoints == expected

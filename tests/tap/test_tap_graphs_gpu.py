@@ -22,6 +22,7 @@ from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
 from enginetap.tap.diff import diff_runs
 from enginetap.tap.files import TapRun, load_run
+from enginetap.tap.report import analyse, summary
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -68,6 +69,8 @@ def test_graphs_mode_records_every_sublayer_checkpoint_and_diffs_against_eager(
     assert engine._graphs.captures == 2  # buckets 4 (three requests) and 2 (after r1)
     assert graphs.header["compiled"] == "cuda graphs" and graphs.header["cuda_graphs"]
     assert graphs.header["not_placed"] == KV_POINTS
+    assert "not placed under cuda graphs (not recorded in this mode): " + \
+        ", ".join(KV_POINTS) in summary(analyse(graphs))
     a, b = eager.rank(0).steps, graphs.rank(0).steps
     assert len(a) == len(b) == 6
     for sa, sb in zip(a, b):
