@@ -109,6 +109,8 @@ class GraphDecoder:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.rows = self.width = 0
+        self.column = torch.zeros(1, dtype=torch.long, device=self.device)
+        """The decode step's cache column (one for every row: prompts are left-padded)."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = None
         self.captures = 0
@@ -135,8 +137,7 @@ class GraphDecoder:
         self.cache = StaticKV([torch.zeros(shape, dtype=self.dtype, device=self.device)
                                for _ in range(layers)],
                               [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                               for _ in range(layers)],
-                              torch.zeros(1, dtype=torch.long, device=self.device))
+                               for _ in range(layers)], self.column)
         self.rows, self.width = rows, width
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
@@ -154,16 +155,8 @@ class GraphDecoder:
         attention = additive_mask(mask, width, self.width, self.dtype)
         out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache.columns = self._column
+        self.cache.columns = self.column
         return out.logits, self.cache
-
-    @property
-    def _column(self) -> torch.Tensor:
-        column = getattr(self, "_column_tensor", None)
-        if column is None or column.device != self.device:
-            column = self._column_tensor = torch.zeros(1, dtype=torch.long,
-                                                       device=self.device)
-        return column
 
     def load(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
              pad_id: int) -> int:
@@ -171,8 +164,8 @@ class GraphDecoder:
         as described in the module docstring); returns the bucket."""
         batch, columns = mask.shape
         size = bucket_of(batch)
-        self._column.fill_(columns - 1)
-        self.cache.columns = self._column
+        self.column.fill_(columns - 1)
+        self.cache.columns = self.column
         self.ids[:batch].copy_(ids)
         self.ids[batch:size].fill_(pad_id)
         self.positions[:batch].copy_(positions)
