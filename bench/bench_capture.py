@@ -324,17 +324,17 @@ def _hold_writer_until_close() -> None:
     """Diagnostic (``--held-writer``): in the variant that asks for it, the capture writer
     thread starts writing only when the run ends (the budget must hold the whole run), so
     the selected steps run without the writer's work beside them in the process."""
-    from enginetap.capture.writer import Writer
+    from enginetap.capture.writers import ThreadWriter
 
-    original = Writer._run
+    original = ThreadWriter._run
 
-    def run(self: Writer) -> None:
+    def run(self: ThreadWriter) -> None:
         if HOLD["writer"]:
             while not self._closed:
                 time.sleep(0.01)
         original(self)
 
-    Writer._run = run  # type: ignore[method-assign]
+    ThreadWriter._run = run  # type: ignore[method-assign]
 
 
 def _config(out: Path, policy, **capture: Any) -> ArmConfig:
@@ -567,7 +567,7 @@ def writer_throughput(workloads: int, rows: int, width: int) -> tuple[float, flo
     from safetensors.torch import save_file
 
     from enginetap.capture.copy import HostCopies
-    from enginetap.capture.writer import Item, Writer
+    from enginetap.capture.writers import Item, ThreadWriter
     from enginetap.dataset import Dataset
     from enginetap.dataset.schema import Receipt
     from enginetap.definitions import get_template
@@ -577,7 +577,7 @@ def writer_throughput(workloads: int, rows: int, width: int) -> tuple[float, flo
     w = torch.ones(width, dtype=torch.bfloat16)
     receipt = Receipt(source="bench", created_at="2026-01-01T00:00:00+00:00")
     with tempfile.TemporaryDirectory() as tmp:
-        writer = Writer(Dataset(Path(tmp) / "ds", create=True), budget_bytes=1 << 30)
+        writer = ThreadWriter(Dataset(Path(tmp) / "ds", create=True), budget_bytes=1 << 30)
         start = time.perf_counter()
         for _ in range(workloads):
             writer.submit(Item(definition, HostCopies.of({"hidden_states": x, "weight": w,

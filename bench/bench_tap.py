@@ -268,7 +268,7 @@ HOOK_TIME: dict[str, list[float]] = {}
 
 def _time_methods(names: tuple[str, ...], into: dict[str, list[float]]) -> None:
     """Wrap the recorder's methods ``names``: each call's host time goes to ``into``."""
-    from enginetap.tap.recorder import TapRecorder
+    from enginetap.tap.record import TapRecorder
 
     for name in names:
         original = getattr(TapRecorder, name)
@@ -294,7 +294,7 @@ CHECKPOINT_TIME: dict[str, list[float]] = {}
 def time_checkpoints() -> None:
     """Host time per call of the recorder's checkpoint and of the graph-capture check it
     makes first (``allowed``)."""
-    _time_methods(("checkpoint", "allowed"), CHECKPOINT_TIME)
+    _time_methods(("take", "allowed"), CHECKPOINT_TIME)
 
 
 def make_variants(model: Any, out: Path, rows: int) -> dict[str, Any]:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_capture as bc  # noqa: E402
 
 from enginetap.capture import copy as capture_copy  # noqa: E402
-from enginetap.capture import procwriter, provenance, runtime, writer  # noqa: E402
+from enginetap.capture import calls, provenance, runtime, writers  # noqa: E402
 from enginetap.core import scope  # noqa: E402
 from enginetap.engines.hf.probes import attention  # noqa: E402
 
@@ -70,13 +70,14 @@ def install_timers() -> None:
     _time(attention, "gather_pages", "gather")
     of_groups = capture_copy.HostCopies.of_groups.__func__
     capture_copy.HostCopies.of_groups = classmethod(_timed(of_groups, "copies"))
-    _time(runtime, "bind_arguments", "bind")
+    _time(calls, "bind_arguments", "bind")
     _time(provenance.Provenance, "facts", "facts")
-    _time(writer.Writer, "submit", "submit")
-    _time(procwriter.ProcessWriter, "submit", "submit")
-    for name in ("_prepare", "_finish", "_on_begin", "_on_end"):
+    _time(writers.CaptureWriter, "submit", "submit")
+    for name in ("_prepare", "_finish"):
+        _time(calls.ProbeCalls, name, name.lstrip("_"))
+    for name in ("_on_begin", "_on_end"):
         _time(runtime.CaptureRuntime, name, name.lstrip("_"))
-    capture = runtime.CaptureRuntime._capture
+    capture = calls.ProbeCalls._capture
 
     def timed_capture(self: Any, *args: Any) -> Any:
         start = time.perf_counter()
@@ -89,7 +90,7 @@ def install_timers() -> None:
             SPENT["engine"] += whole - sum(SPENT[p] - before[p] for p in before)
             SPENT["n_capture"] += 1
 
-    runtime.CaptureRuntime._capture = timed_capture  # type: ignore[method-assign]
+    calls.ProbeCalls._capture = timed_capture  # type: ignore[method-assign]
     enter = scope._enter_module
 
     def timed_enter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -227,8 +227,7 @@ def _replay(root: Path, label: str, builtin: Any, args: argparse.Namespace) -> N
     from enginetap.dataset import Dataset
     from enginetap.definitions.base import family_of
     from enginetap.replay import replay_dataset
-    from enginetap.replay.report import print_report, summary_line
-    from enginetap.replay.summary import render_summary
+    from enginetap.replay.render import print_report, render_summary, summary_line
 
     covered = [name for name, d in Dataset(root).definitions().items()
                if family_of(d) in builtin.adapters]
@@ -250,7 +249,7 @@ def _replay(root: Path, label: str, builtin: Any, args: argparse.Namespace) -> N
 
 
 def _problems(report: Any) -> list[str]:
-    from enginetap.replay.report import problem_lines
+    from enginetap.replay.render import problem_lines
 
     return problem_lines(report)
 

@@ -7,7 +7,7 @@ diagnostic beside ``bench_tap.py``, whose model, decode loop and variants it reu
 
 Variants, rotated round by round in one process: ``disarmed``; ``scope`` (only the module
 scope's wrappers: the tap armed alone installs none since ``1eba9af``, and left them shut
-before); ``tap-empty`` (the tap armed, its recorder's ``checkpoint`` replaced by a function
+before); ``tap-empty`` (the tap armed, its recorder's ``take`` replaced by a function
 that returns at once: the wrappers' own cost); ``tap-keep`` (the checkpoint only keeps each
 tensor alive until step end, as a deferred checkpoint does: what holding hundreds of
 activations costs the rest of the forward, e.g. the caching allocator's work); ``tap`` (as
@@ -17,7 +17,7 @@ wrappers only list the checkpoints, examined in one loop at the device wait);
 ``seed-002``. (An earlier ``tap-nopoll``, without the record sink's idle-writer thread,
 showed no effect and was dropped.) Prints per variant the median decode step, the host
 time to launch the forward and the engine thread's own CPU time in it, the Python
-threads alive, and the host time per call of the recorder's ``checkpoint`` in the full
+threads alive, and the host time per call of the recorder's ``take`` in the full
 tap variant. The differences between consecutive lines are the cost of each layer:
 scope − disarmed the scope's wrappers (which the tap no longer runs), tap-empty − scope
 the tap's wrapper, tap-keep − tap-empty what keeping the tensors costs, tap − tap-empty
@@ -43,11 +43,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_tap as bt  # noqa: E402
 
-from enginetap.tap.recorder import TapRecorder  # noqa: E402
+from enginetap.tap.record import TapRecorder  # noqa: E402
 from enginetap.core.context import subscribe, unsubscribe  # noqa: E402
 from enginetap.core.sink import RecordSink  # noqa: E402
 
-CHECKPOINT = TapRecorder.checkpoint
+CHECKPOINT = TapRecorder.take
 SETTLE = TapRecorder.settle
 IDLE_WRITER = RecordSink._idle_writer
 SPENT: dict[str, list[float]] = {}
@@ -94,13 +94,13 @@ class Altered(bt.TapVariant):
         if self.what == "quick":
             TapRecorder.settle = self._timed_settle()  # type: ignore[method-assign]
         elif self.what == "empty":
-            TapRecorder.checkpoint = lambda self, name, tensor: None  # type: ignore[method-assign]
+            TapRecorder.take = lambda self, name, tensor: None  # type: ignore[method-assign]
         elif self.what == "keep":  # only what a deferred checkpoint holds: the tensor
-            TapRecorder.checkpoint = (  # type: ignore[method-assign]
+            TapRecorder.take = (  # type: ignore[method-assign]
                 lambda self, name, tensor: KEPT.append(tensor))
             subscribe(on_end=_release)
         else:
-            TapRecorder.checkpoint = self._timed()  # type: ignore[method-assign]
+            TapRecorder.take = self._timed()  # type: ignore[method-assign]
         if self.what == "nopoll":
             RecordSink._idle_writer = lambda self: None  # type: ignore[method-assign]
         super().install()
@@ -111,7 +111,7 @@ class Altered(bt.TapVariant):
         finally:
             unsubscribe(_release)
             KEPT.clear()
-            TapRecorder.checkpoint = CHECKPOINT  # type: ignore[method-assign]
+            TapRecorder.take = CHECKPOINT  # type: ignore[method-assign]
             TapRecorder.settle = SETTLE  # type: ignore[method-assign]
             RecordSink._idle_writer = IDLE_WRITER  # type: ignore[method-assign]
 

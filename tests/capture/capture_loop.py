@@ -1,9 +1,12 @@
 """Test helper: capture from the built-in engine in a loop until killed.
 
-    python capture_loop.py OUT [rounds] [thread|process]
+    python capture_loop.py OUT [rounds] [thread|process] [sink]
 
 Prints "round N" after each generate call (flushed), so a test can kill it mid-run; with
-the process writer it first prints "writer pid N" (the writer process's pid).
+the process writer it first prints "writer pid N" (the writer process's pid). With
+``sink``, each round also submits a record ``{"round": N}`` to a deferred record sink
+writing ``OUT/sink-rank0.jsonl`` whose fallback writer never runs: a record reaches the
+file only when the sink is flushed at exit.
 """
 
 import sys
@@ -16,6 +19,13 @@ from enginetap.engines.hf.arming import disarm
 out = Path(sys.argv[1])
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000
 writer = sys.argv[3] if len(sys.argv) > 3 else "thread"
+records = None
+if len(sys.argv) > 4 and sys.argv[4] == "sink":
+    from enginetap.core import sink
+    from enginetap.core.jsonl import RankJsonl
+
+    sink.IDLE_S = 1e9
+    records = sink.RecordSink(RankJsonl(out / "sink.jsonl", 0), deferred=True)
 policy = {"name": "all", "decode_steps": list(range(64)), "per_variant": 10_000,
           "per_definition": 10_000, "per_layer": True}
 config = ArmConfig(enabled=True, capabilities=["capture"], out_dir=out / "run",
@@ -34,6 +44,8 @@ prompts = ["kernels and caches meet the scheduler", "a shorter prompt", "hi"]
 for n in range(rounds):
     engine.generate([Request(request_id=f"r{n}-{i}", prompt=p, max_new_tokens=4)
                      for i, p in enumerate(prompts)])
+    if records is not None:
+        records.submit(lambda n=n: {"round": n}, n)
     print(f"round {n}", flush=True)
 disarm()
 print("done", flush=True)

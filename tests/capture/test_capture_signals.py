@@ -18,11 +18,12 @@ from enginetap.dataset import Dataset, validate_dataset
 LOOP = Path(__file__).with_name("capture_loop.py")
 
 
-def _start(out: Path, rounds: int = 10_000, writer: str = "thread") -> subprocess.Popen:
+def _start(out: Path, rounds: int = 10_000, writer: str = "thread",
+           *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     # SIGINT at its default in the child: a background job (CI started with `&`) inherits
     # it ignored, and an ignored SIGINT is rightly ignored by capture too
-    return subprocess.Popen([sys.executable, str(LOOP), str(out), str(rounds), writer],
+    return subprocess.Popen([sys.executable, str(LOOP), str(out), str(rounds), writer, *extra],
                             env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -128,3 +129,22 @@ def test_sigterm_and_sigint_flush_the_writer(tmp_path, signum, writer):
     summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
     assert summary["written"] == _readable_lines(tmp_path / "ds") > 0
     assert validate_dataset(tmp_path / "ds") == []
+
+
+@pytest.mark.slow
+def test_sigterm_flushes_the_capture_writer_and_a_record_sink_alike(tmp_path):
+    """Both hold records the exit flushes (:mod:`enginetap.core.shutdown`): the capture
+    writer and a deferred record sink (the tap's, the step recorder's), in one process."""
+    proc = _start(tmp_path, 10_000, "thread", "sink")
+    _wait_for(proc, "round 1")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    summary = json.loads((tmp_path / "run" / "capture-summary-rank0.json").read_text())
+    assert summary["written"] == _readable_lines(tmp_path / "ds") > 0
+    assert validate_dataset(tmp_path / "ds") == []
+    rounds = [json.loads(line)["round"] for line in
+              (tmp_path / "sink-rank0.jsonl").read_text().splitlines()]
+    printed = sum(line.startswith("round ") for line in out.splitlines())
+    # every round submitted a record before saying so (the signal may come between)
+    assert rounds == list(range(len(rounds))) and len(rounds) >= printed + 2

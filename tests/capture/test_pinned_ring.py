@@ -95,7 +95,7 @@ def test_a_shared_ring_is_seen_by_another_mapping_and_messages_round_trip() -> N
 
     from enginetap.capture.copy import HostCopies
     from enginetap.capture.pinned import shared_ring
-    from enginetap.capture.procwriter import describe_values, rebuild_values
+    from enginetap.capture.writers.wire import describe_values, rebuild_values
 
     ring = shared_ring(4 * ALIGN, pin=False)
     other = torch.frombuffer(mmap.mmap(ring.fd, ring.capacity), dtype=torch.uint8)
@@ -175,7 +175,8 @@ def test_the_process_writer_keeps_a_refused_workload_until_its_refusal_is_read(t
     import time
 
     from enginetap.capture.pinned import set_control
-    from enginetap.capture.procwriter import DONE_WORD, REFUSALS_WORD, ProcessWriter
+    from enginetap.capture.writers import ProcessWriter
+    from enginetap.capture.writers.wire import DONE_WORD, REFUSALS_WORD
 
     writer = ProcessWriter(tmp_path / "ds", budget_bytes=1 << 20, pin=False)
     released: list[int] = []
@@ -217,8 +218,7 @@ def test_a_device_error_in_a_copy_stops_capture_and_says_so(tmp_path, writer) ->
     """A copy whose device failed never lands: the writer does not wait for it forever or
     die with a traceback; capture stops with the device's error, the workload dropped."""
     from enginetap.capture.copy import HostCopies
-    from enginetap.capture.procwriter import ProcessWriter
-    from enginetap.capture.writer import Item, Writer
+    from enginetap.capture.writers import Item, ProcessWriter, ThreadWriter
     from enginetap.dataset import Dataset
     from enginetap.definitions import get_template
 
@@ -228,7 +228,7 @@ def test_a_device_error_in_a_copy_stops_capture_and_says_so(tmp_path, writer) ->
                         event=_FailedDevice(), nbytes=72)
     outputs = HostCopies({"output": x}, nbytes=64)
     item = Item(definition, inputs, outputs, lambda: None)  # type: ignore[arg-type,return-value]
-    made = (Writer(Dataset(tmp_path / "ds", create=True), budget_bytes=1 << 20)
+    made = (ThreadWriter(Dataset(tmp_path / "ds", create=True), budget_bytes=1 << 20)
             if writer == "thread" else
             ProcessWriter(tmp_path / "ds", budget_bytes=1 << 20, pin=False))
     assert made.submit(item)

@@ -11,7 +11,8 @@ import torch
 
 from enginetap.dataset import Dataset
 from enginetap.definitions import compile_reference, get_template
-from enginetap.replay.report import NOT_EXPOSED, unexposed_lines
+from enginetap.replay.render import unexposed_lines
+from enginetap.replay.results import NOT_EXPOSED
 from enginetap.replay.runner import replay_dataset
 from tests.capture.hf_capture_helpers import capture_run, hf_capture_root  # noqa: F401
 

@@ -14,13 +14,13 @@ from rich.console import Console
 from enginetap.dataset import Dataset
 from enginetap.definitions import get_template
 from enginetap.replay.compare import Comparison
-from enginetap.replay.report import (
+from enginetap.replay.render import print_report
+from enginetap.replay.results import (
     DefinitionResult,
     OutputCheck,
     ReplayOptions,
     ReplayReport,
     WorkloadResult,
-    print_report,
 )
 from enginetap.replay.synth import synthesize
 

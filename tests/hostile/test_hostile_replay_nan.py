@@ -9,14 +9,13 @@ from rich.console import Console
 
 from enginetap.definitions.base import CompareRule
 from enginetap.replay.compare import compare_outputs
-from enginetap.replay.report import (
+from enginetap.replay.render import print_report, problem_lines
+from enginetap.replay.results import (
     DefinitionResult,
     OutputCheck,
     ReplayOptions,
     ReplayReport,
     WorkloadResult,
-    print_report,
-    problem_lines,
 )
 
 

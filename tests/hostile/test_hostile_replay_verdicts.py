@@ -15,7 +15,7 @@ import torch
 from enginetap.dataset import Dataset, validate_dataset
 from enginetap.definitions import get_template
 from enginetap.replay import replay_dataset
-from enginetap.replay.report import summary_line
+from enginetap.replay.render import summary_line
 from enginetap.replay.synth import synthesize
 from tests.replay.replay_helpers import receipt
 

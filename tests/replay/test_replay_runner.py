@@ -13,7 +13,7 @@ from enginetap.definitions.base import compile_reference
 from enginetap.definitions.registry import get_template
 from enginetap.errors import ConfigError
 from enginetap.replay import replay_dataset
-from enginetap.replay.report import ReplayReport
+from enginetap.replay.results import ReplayReport
 from tests.replay.replay_helpers import CANDIDATES, Built, receipt
 
 

@@ -27,7 +27,7 @@ from enginetap.core.jsonl import close_all
 from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
 from enginetap.tap import kernels
-from enginetap.tap.deferred import DeferredHashes
+from enginetap.tap.record.deferred import DeferredHashes
 from enginetap.tap.files import load_run
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"

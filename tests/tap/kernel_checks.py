@@ -4,7 +4,8 @@ the Triton kernels against the torch reference, on the CPU through Triton's inte
 import torch
 
 from enginetap.tap import kernels
-from enginetap.tap.fingerprint import StepStaging, fingerprint, hash_rows
+from enginetap.tap.fingerprint import fingerprint, hash_rows
+from enginetap.tap.record.staging import StepStaging
 
 g = torch.Generator().manual_seed(0)
 assert kernels.available(torch.zeros(1)), "the interpreter should make the kernels run"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from enginetap.tap.deferred import DeferredHashes
+from enginetap.tap.record.deferred import DeferredHashes
 
 pytest.importorskip("triton", reason="Triton is not installed")
 

@@ -289,10 +289,16 @@ def test_a_state_read_from_another_requests_slot_is_upstream(tmp_path: Path, pla
 # ---------------------------------------------------------------------- bad input
 def test_a_run_without_a_culprit_is_one_line(tmp_path: Path, capsys: Any) -> None:
     record_run("builtin:llama", SAME, tmp_path / "run", batch_size=3, max_new_tokens=2)
-    code, _, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"))
-    assert code == 2
-    assert err.strip().count("\n") == 0 and "no culprit for any pair" in err
-    assert not (tmp_path / "repro").exists()
+    run = str(tmp_path / "run")
+    for args, message in (([], "no culprit for any pair"),
+                          (["--pair", "p0/p1"], "no culprit for pair p0/p1"),
+                          (["--request", "p2"], "no culprit for request p2"),
+                          (["--diff", run], "no culprit for any request"),
+                          (["--diff", run, "--request", "p1"], "no culprit for request p1")):
+        code, _, err = explain(capsys, run, "--out", str(tmp_path / "repro"), *args)
+        assert code == 2, (args, err)
+        assert err.strip().count("\n") == 0 and message in err, (args, err)
+        assert not (tmp_path / "repro").exists()
 
 
 def test_a_culprit_no_probe_covers_is_one_line(tmp_path: Path, plant: Any,
@@ -354,6 +360,13 @@ def test_a_run_recorded_without_prompts_is_one_line(tmp_path: Path, capsys: Any)
     code, _, err = explain(capsys, str(tmp_path / "run"), "--out", str(tmp_path / "repro"))
     assert code == 2 and err.strip().count("\n") == 0
     assert "the run was recorded without its prompts" in err
+    # nor as the other run of a diff: its prompts are needed to re-run it
+    record_run("builtin:llama", ["decode"], tmp_path / "full", batch_size=1, max_new_tokens=2)
+    code, _, err = explain(capsys, str(tmp_path / "full"), "--diff", str(tmp_path / "run"),
+                           "--out", str(tmp_path / "repro"))
+    assert code == 2 and err.strip().count("\n") == 0
+    assert f"{tmp_path / 'run'}: the run was recorded without its prompts" in err
+    assert not (tmp_path / "repro").exists()
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,11 +1,13 @@
 """``enginetap tap explain`` on vLLM CPU, one planted cause per test (``vllm_explain_run.py``:
 two engine starts each, the recording and the re-run): a batch-position-dependent norm is
-named batch-variant, a norm adding fresh noise nondeterministic; REPRO replays showing the same
-difference."""
+named batch-variant, a norm adding fresh noise nondeterministic, a gated-delta layer reading
+another request's recurrent state slot upstream with the slot named; REPRO replays showing
+the same difference."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ import torch
 
 from enginetap.dataset import Dataset
 from enginetap.replay.runner import replay_dataset
+from enginetap.tap.diff import diff_runs
+from enginetap.tap.files import load_run
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -101,3 +105,41 @@ def test_run_to_run_noise_in_a_norm_on_vllm_is_nondeterministic(
     checks = engine_checks(tmp_path / "repro")
     assert engine_error(checks[first.workload.uuid]) != engine_error(checks[again.workload.uuid])
 
+
+def recorded_state_slots(run: Path, step: int) -> dict[str, int]:
+    """Each request's recurrent state slot at ``step``, as the tap file's rows say."""
+    lines = (run / "tap-rank0.jsonl").read_text().splitlines()
+    record = next(r for line in lines[1:] if (r := json.loads(line)).get("step") == step)
+    return {row["key"]: row["state_slot"] for row in record["rows"]}
+
+
+def test_a_state_read_from_another_requests_slot_on_vllm_is_upstream(
+        vllm_lock: None, tmp_path: Path) -> None:
+    result = explain_case("slot", tmp_path)
+    assert result["kind"] == "upstream", result
+    assert "gdn_decode" in result["op"] and result["op"].endswith("in L0.gdn"), result
+    assert "fused_sigmoid_gating_delta_rule_update_cpu" in result["op"], result
+    assert result["finding"].startswith("pair p0/p1 at step 2"), result
+    assert "first differing input `state`" in result["verdict"], result["verdict"]
+    found = re.search(r"p1's `state` is p2's \(slot (\d+), not its own slot (\d+)\)$",
+                      result["verdict"])
+    assert found, result["verdict"]
+    # the slots named are the ones vLLM gave p2 and p1 at that step (the tap's rows)
+    slots = recorded_state_slots(tmp_path / "run", 2)
+    assert (int(found[1]), int(found[2])) == (slots["p2"], slots["p1"]), slots
+    # catching the calls (the model's sublayers wrapped too) changed nothing: the re-run's
+    # tap equals the run's, row for row
+    (same,) = diff_runs(load_run(tmp_path / "run"), load_run(tmp_path / "repro/enginetap/rerun-a"))
+    assert same.rows_compared > 0 and not same.diverged
+    # REPRO's bytes: the recorded call's state holds p2's state in p1's row
+    dataset = Dataset(tmp_path / "repro")
+    lines = repro_lines(tmp_path / "repro")
+    recorded = lines[("recorded", "p0")]
+    assert recorded.enginetap is not None and recorded.enginetap.receipt.engine == "vllm"
+    state = dataset.load_inputs(recorded)["state"]
+    assert torch.equal(state[1], state[2]) and not torch.equal(state[0], state[1])
+    # called again, p1 alone reads the state it was given (p2's), p0 alone its own
+    assert torch.equal(dataset.load_inputs(lines[("alone", "p1")])["state"][0], state[2])
+    assert torch.equal(dataset.load_inputs(lines[("alone", "p0")])["state"][0], state[0])
+    # the kernel itself is right on what it was given: its bug is upstream
+    assert {w.status for w in engine_checks(tmp_path / "repro").values()} == {"PASS"}

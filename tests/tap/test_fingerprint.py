@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginetap.tap.fingerprint import StepStaging, hash_rows, row_bytes, token_rows
+from enginetap.tap.fingerprint import hash_rows, row_bytes, token_rows
+from enginetap.tap.record.staging import StepStaging
 
 
 def _staged(tensors: list[torch.Tensor], index: torch.Tensor, rows: int) -> torch.Tensor:

@@ -121,19 +121,19 @@ def test_a_failing_tap_wrapper_is_reported_once_and_the_engine_call_goes_on(
     sublayer's output (after it), costs no token and no second call of the module."""
     import logging
 
-    from enginetap.tap.recorder import TapRecorder
+    from enginetap.tap.record import TapRecorder
 
     broken = "L1.in" if where == "before" else "L1.mlp.out"
-    checkpoint = TapRecorder.checkpoint
+    take = TapRecorder.take
     failed: list[TapRecorder] = []
 
     def faulty(self: TapRecorder, name: str, tensor: object) -> None:
         if name == broken:
             failed.append(self)
             raise RuntimeError(f"injected fault at {name}")
-        checkpoint(self, name, tensor)
+        take(self, name, tensor)
 
-    monkeypatch.setattr(TapRecorder, "checkpoint", faulty)
+    monkeypatch.setattr(TapRecorder, "take", faulty)
     reqs = requests(PROMPTS[:3], max_new_tokens=4)
     with caplog.at_level(logging.ERROR, logger="enginetap.tap"):
         armed, run = record("llama", reqs)

@@ -8,7 +8,11 @@ The plants (CASE):
 - ``batch`` (the default): ``RMSNorm.forward(x)`` (no residual: the first layer's input
   norm) adds ``0.01 * i`` to token row ``i`` of the flat batch, so identical prompts at
   other offsets differ there;
-- ``noise``: the same norm adds fresh noise on every call of more than one token row.
+- ``noise``: the same norm adds fresh noise on every call of more than one token row;
+- ``slot``: on ``builtin:qwen3_next``, at decode step ``FAULT``, the step's first
+  gated-delta layer (``_cpu_gdn_attention_nonspec``, given the layer and its metadata)
+  copies the third request's recurrent state slot into the second's before running: the
+  second request reads another's slot.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pathlib import Path
 
 SAME = ["the cache holds every key", "the cache holds every key", "kernels and caches"]
 NORM = "vllm.model_executor.layers.layernorm:RMSNorm.forward"
+GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_cpu_gdn_attention_nonspec"
+FAULT = 2
 
 
 def by_token_row(wrapped, instance, args, kwargs):
@@ -39,8 +45,26 @@ def noisy(wrapped, instance, args, kwargs):
     return out
 
 
+_FAULTED: set[int] = set()
+
+
+def wrong_slot(wrapped, instance, args, kwargs):
+    from enginetap.core.context import current_step
+
+    layer, meta = args[0], args[1]
+    step = current_step()
+    if (step is not None and step.step == FAULT and step.step not in _FAULTED
+            and meta.num_prefills == 0 and meta.num_decodes == 3):
+        _FAULTED.add(step.step)  # the step's first gated-delta layer only
+        slots = meta.non_spec_state_indices_tensor
+        states = layer.kv_cache[1]
+        states[int(slots[1])].copy_(states[int(slots[2])])  # p1 reads p2's slot
+    return wrapped(*args, **kwargs)
+
+
 CASES = {"batch": ("builtin:llama", NORM, by_token_row, 2),
-         "noise": ("builtin:llama", NORM, noisy, 2)}
+         "noise": ("builtin:llama", NORM, noisy, 2),
+         "slot": ("builtin:qwen3_next", GDN, wrong_slot, FAULT + 2)}
 
 
 def main(phase: str, out: Path, case: str) -> None:

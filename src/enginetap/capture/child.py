@@ -1,15 +1,16 @@
 """The capture writer process: ``python -m enginetap.capture.child FD CAPACITY ROOT BATCH PINNED``.
 
-Started by :class:`~enginetap.capture.procwriter.ProcessWriter`; reads workload messages
-on its standard input, maps the engine's shared ring from descriptor ``FD`` and writes
-every workload with the thread writer's own code (:class:`~enginetap.capture.writer.Writer`)
-into the dataset at ``ROOT`` (``PINNED`` 1: the engine pinned the ring, so its pages exist
-and are mapped at once), making each receipt from the facts, labels and provenance
-the message carries. Which workloads it is done with (written, refused or dropped) it
-tells through the ring's control word: the highest ``seq`` up to which all are done. On
-standard output it reports each workload the dataset refused (``refused``), the first
-write error (``error``), and at the end its counts (``closed``). Its input closing (the
-engine's process ended or went away) ends it after everything received is written.
+Started by :class:`~enginetap.capture.writers.ProcessWriter`; reads workload messages
+(:mod:`~enginetap.capture.writers.wire`) on its standard input, maps the engine's shared
+ring from descriptor ``FD`` and writes every workload with the thread writer's own code
+(:class:`~enginetap.capture.writers.ThreadWriter`) into the dataset at ``ROOT``
+(``PINNED`` 1: the engine pinned the ring, so its pages exist and are mapped at once),
+making each receipt from the facts, labels and provenance the message carries. Which
+workloads it is done with (written, refused or dropped) it tells through the ring's
+control word: the highest ``seq`` up to which all are done. On standard output it
+reports each workload the dataset refused (``refused``), the first write error
+(``error``), and at the end its counts (``closed``). Its input closing (the engine's
+process ended or went away) ends it after everything received is written.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 
 from enginetap.capture.copy import HostCopies
 from enginetap.capture.pinned import CONTROL_BYTES, set_control
-from enginetap.capture.procwriter import (DONE_WORD, REFUSALS_WORD, read_frame, rebuild_values,
-                                          write_frame)
 from enginetap.capture.provenance import Facts, Provenance
-from enginetap.capture.writer import Item, Writer
+from enginetap.capture.writers import Item, ThreadWriter
+from enginetap.capture.writers.wire import (DONE_WORD, REFUSALS_WORD, read_frame,
+                                            rebuild_values, write_frame)
 from enginetap.dataset import Dataset
 from enginetap.dataset.schema import Definition, Receipt
 
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
     report = _Report(os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    writer = Writer(Dataset(root, create=True), budget_bytes=1 << 62, batch=batch)
+    writer = ThreadWriter(Dataset(root, create=True), budget_bytes=1 << 62, batch=batch)
     definitions: dict[str, Definition] = {}
     provenance: Provenance | None = None
     told_error = False

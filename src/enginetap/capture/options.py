@@ -78,7 +78,7 @@ class CaptureOptions(BaseModel):
     writer: Literal["thread", "process"] = "thread"
     """Where the dataset work runs: a thread of the engine's process, or a child process
     that maps a shared ring the engine copies into (its Python then never holds the
-    engine's GIL; see :mod:`enginetap.capture.procwriter`). On the H200 the two measure
+    engine's GIL; see :mod:`enginetap.capture.writers.process`). On the H200 the two measure
     alike; on a 2-core CPU the child takes a core from the engine (docs/capture.md)."""
     switch_interval_s: float = Field(default=0.0005, ge=0.0, le=0.1)
     """While the writer has work, the interpreter's thread switch interval

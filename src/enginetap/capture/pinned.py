@@ -32,7 +32,7 @@ ALIGN = 256
 _WORD = struct.Struct("<q")
 CONTROL_BYTES = ALIGN
 """A shared ring's memory past its capacity: control words the writer process sets
-(see :mod:`enginetap.capture.procwriter`)."""
+(see :mod:`enginetap.capture.writers.process`)."""
 
 
 @dataclass(eq=False)

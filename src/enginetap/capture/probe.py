@@ -20,13 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Literal
 
 from enginetap.core.context import Step
 from enginetap.dataset.schema import Definition
 
-__all__ = ["Extracted", "Probe", "ProbeCall", "When", "instantiate"]
+__all__ = ["Extracted", "Probe", "ProbeCall", "When"]
 
 When = Literal["prefill", "decode", "both"]
 
@@ -102,16 +101,3 @@ class Probe:
 
     def fires_in(self, step: Step) -> bool:
         return self.when == "both" or step.mode == self.when or step.mode == "mixed"
-
-
-@lru_cache(maxsize=512)
-def _instantiate(family: str, values: tuple[tuple[str, Any], ...]) -> Definition:
-    from enginetap.definitions import get_template
-
-    return get_template(family).instantiate(**dict(values))
-
-
-def instantiate(family: str, **values: Any) -> Definition:
-    """``get_template(family).instantiate(**values)``, kept per distinct values: probes
-    call it on every selected call, and building a definition renders its reference."""
-    return _instantiate(family, tuple(sorted(values.items())))

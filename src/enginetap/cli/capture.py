@@ -80,6 +80,7 @@ def print_capture(out: CliConsole, root: Path) -> bool:
     each rank dropped or failed. Returns False when something was lost or failed."""
     import json
 
+    from enginetap.capture.summary import CaptureSummary
     from enginetap.dataset import Dataset
 
     dataset = Dataset(root)
@@ -99,12 +100,11 @@ def print_capture(out: CliConsole, root: Path) -> bool:
     out.print(table)
     ok = True
     for path in sorted((root / "enginetap").glob("capture-summary-rank*.json")):
-        summary = json.loads(path.read_text())
-        lost = {k: summary[k] for k in ("dropped_budget_full", "dropped_after_write_error")
-                if summary.get(k)}
-        for problem in [*(f"{k}: {v}" for k, v in lost.items()),
-                        *(f"probe {k} disabled: {v}" for k, v in summary["disabled_probes"].items()),
-                        *([f"write error: {summary['write_error']}"] if summary["write_error"] else [])]:
+        summary = CaptureSummary.read(path)
+        lost = summary.model_dump(include={"dropped_budget_full", "dropped_after_write_error"})
+        for problem in [*(f"{k}: {v}" for k, v in lost.items() if v),
+                        *(f"probe {k} disabled: {v}" for k, v in summary.disabled_probes.items()),
+                        *([f"write error: {summary.write_error}"] if summary.write_error else [])]:
             ok = False
-            out.print(f"[yellow]rank {summary['rank']}:[/] {escape(problem)}")
+            out.print(f"[yellow]rank {summary.rank}:[/] {escape(problem)}")
     return ok

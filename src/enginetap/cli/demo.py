@@ -213,7 +213,7 @@ def _validate_and_replay(root: Path) -> bool:
 
 
 def _unexposed(checks) -> str:
-    from enginetap.replay.report import NOT_EXPOSED
+    from enginetap.replay.results import NOT_EXPOSED
 
     names = dict.fromkeys(c.output for c in checks if c.message == NOT_EXPOSED)
     return f"{', '.join(names)}: not exposed by this engine" if names else ""

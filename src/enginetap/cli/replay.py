@@ -75,8 +75,9 @@ def replay(
     """Run each definition's reference on the stored inputs and compare with the engine's
     outputs (and with --solution's); exit 1 if anything does not pass."""
     from enginetap.replay import replay_dataset
-    from enginetap.replay.report import print_report, summary_line
-    from enginetap.replay.summary import render_summary, summary_notes
+    from enginetap.replay.render import (
+        print_report, render_summary, summary_line, summary_notes,
+    )
 
     if list_solutions:
         out.print(_solutions_table())
@@ -120,7 +121,7 @@ def _select(dataset: Path, names: list[str] | None, families: list[str] | None
     from enginetap.dataset import Dataset
     from enginetap.definitions.base import family_of
     from enginetap.errors import ConfigError, DatasetError
-    from enginetap.replay.report import DefinitionResult
+    from enginetap.replay.results import DefinitionResult
 
     if not names and not families:
         return names, []

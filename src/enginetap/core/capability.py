@@ -16,7 +16,6 @@ engine's entry point resolved the config before anything was installed, and
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from enginetap.errors import ConfigError, describe_validation
+from enginetap.core.patching import resolve
+from enginetap.errors import ConfigError, PatchError, describe_validation
 
 __all__ = ["ArmContext", "Capability", "CapabilityRegistry", "EngineHooks", "Installed",
            "InstalledGroup",
@@ -79,11 +79,10 @@ class Capability:
         """Raises: ConfigError: the install function cannot be imported."""
         if callable(self.install):
             return self.install
-        module, _, name = self.install.partition(":")
         try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"capability {self.name!r} cannot be installed", repr(exc),
+            return resolve(self.install)
+        except PatchError as exc:
+            raise ConfigError(f"capability {self.name!r} cannot be installed", exc.why,
                               "reinstall enginetap; this is a packaging error") from None
 
 

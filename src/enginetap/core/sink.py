@@ -11,8 +11,9 @@ the engine thread's launches and added about 19 ms of host time to a 41 ms decod
 measured on the H200, BENCHMARKS.md.)
 
 A record nobody picks up (the engine went idle) is written by a fallback thread after
-:data:`IDLE_S`; at exit, at close and at :meth:`RecordSink.drain` everything pending is
-written. A sink made with ``deferred=False`` writes each record as it is submitted.
+:data:`IDLE_S`; at exit (SIGTERM and SIGINT included, :mod:`enginetap.core.shutdown`), at
+close and at :meth:`RecordSink.drain` everything pending is written. A sink made with
+``deferred=False`` writes each record as it is submitted.
 
 Writing is serialized by a lock taken only without blocking (the engine thread never
 waits on it; it writes at the next pump instead), so records stay in submission order
@@ -21,7 +22,6 @@ and a KeyboardInterrupt in the engine thread cannot leave a waiter behind.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from enginetap.core import shutdown
 from enginetap.core.jsonl import RankJsonl
 
 logger = logging.getLogger("enginetap.sink")
@@ -82,7 +83,8 @@ class RecordSink:
             self._thread = threading.Thread(target=self._idle_writer, name=self.name,
                                             daemon=True)
             self._thread.start()
-            atexit.register(self.drain)
+            # stuck exit: write what no other thread is writing, never wait for it
+            shutdown.on_exit(self.drain, stuck=self.pump)
 
     def pump(self) -> None:
         """Write what is pending, unless another thread is writing (then: next time).
@@ -118,7 +120,7 @@ class RecordSink:
         if thread is not None:
             self._stop = True
             thread.join()
-            atexit.unregister(self.drain)
+            shutdown.forget(self.drain)
         self.writer.close()
 
     def _write_pending(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -25,7 +25,7 @@ from enginetap.core.pysource import parse as parse_source
 
 __all__ = [
     "MAX_CONSTRAINTS", "MAX_DEPTH", "MAX_EXPRESSION_CHARS", "MAX_NODES", "ConstraintError",
-    "evaluate", "parse", "quote", "violations",
+    "broken", "evaluate", "parse", "quote", "violations",
 ]
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
@@ -104,14 +104,33 @@ def violations(constraints: list[str], names: Mapping[str, int]) -> list[str]:
     for expression in constraints:
         try:
             if not evaluate(expression, names):
-                used = sorted(n.id for n in ast.walk(parse(expression))
-                              if isinstance(n, ast.Name))
-                bound = ", ".join(f"{n}={_show(names[n])}" for n in dict.fromkeys(used)
+                bound = ", ".join(f"{n}={_show(names[n])}" for n in sorted(_names(expression))
                                   if n in names)
                 out.append(f"constraint {quote(expression)} is false for {bound}")
         except ConstraintError as exc:
             out.append(f"constraint {quote(expression)} cannot be evaluated: {exc}")
     return out
+
+
+def broken(constraints: Iterable[str], names: Mapping[str, int]) -> list[str]:
+    """The constraints that name only keys of ``names`` and are false for them.
+
+    A family's const axes are checked this way when it is instantiated: constraints that
+    name other axes (var axes) hold per workload, not per instance, and those that cannot
+    be evaluated are left to :func:`violations` on the stored definition.
+    """
+    out = []
+    for expression in constraints:
+        try:
+            if _names(expression) <= names.keys() and not evaluate(expression, names):
+                out.append(expression)
+        except ConstraintError:
+            continue
+    return out
+
+
+def _names(expression: str) -> set[str]:
+    return {n.id for n in ast.walk(parse(expression)) if isinstance(n, ast.Name)}
 
 
 def quote(expression: str, limit: int = 80) -> str:

@@ -25,17 +25,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from enginetap.dataset.atomic import AlreadyExists, write_new_text
 from enginetap.dataset.blobs import load_tensors
 from enginetap.dataset.dtypes import name_of, torch_dtype
-from enginetap.dataset.paths import definition_relpath, resolve_within, workloads_relpath
-from enginetap.dataset.scan import DefinitionFile, read_definitions, read_lines
+from enginetap.dataset.index import VALIDATE_FIX, DatasetIndex, raise_first
+from enginetap.dataset.paths import workloads_relpath
+from enginetap.dataset.scan import read_lines
 from enginetap.dataset.schema import (
     Definition, Receipt, SafetensorsInput, ScalarInput, TensorSpec, WorkloadLine,
 )
-from enginetap.dataset.writer import (
-    WorkloadRecord, commit, conflict, write_failed, writer_slot,
-)
+from enginetap.dataset.writer import WorkloadRecord, commit, store_definition
 from enginetap.errors import DatasetError
 
 if TYPE_CHECKING:
@@ -46,19 +44,16 @@ __all__ = ["DATASET_DIRS", "Dataset"]
 DATASET_DIRS = ("definitions", "workloads", "blob")
 """A directory holding at least one of these is a dataset root."""
 
-_VALIDATE_FIX = "run `enginetap dataset validate ROOT` to list every problem"
 
-
-class Dataset:
+class Dataset(DatasetIndex):
     """One dataset root. Reads are strict (bad data raises); writes are atomic, append-only.
 
     Writes come from one thread at a time per dataset (a write from a second thread while
     one runs raises :class:`~enginetap.dataset.writer.ConcurrentWriterError`); several
-    processes may write one dataset at once.
+    processes may write one dataset at once. Definitions are read through the
+    :class:`~enginetap.dataset.index.DatasetIndex` it is (``definitions()``,
+    ``definition(name)``, ``resolve(relative)``).
     """
-
-    root: Path
-    """The dataset root, resolved (absolute, symlinks followed)."""
 
     def __init__(self, root: str | Path, *, create: bool = False) -> None:
         """Open the dataset at ``root``; with ``create``, make it (and ``definitions/``) if
@@ -81,21 +76,10 @@ class Dataset:
                                "give the root directory of an existing dataset")
         if not create and not any((path / d).is_dir() for d in DATASET_DIRS):
             raise _not_a_dataset(path)
-        self.root = path.resolve()
-        self._known: dict[str, DefinitionFile] = {}
-        self._uuids: dict[str, set[str]] = {}
+        super().__init__(path.resolve())
 
     def __repr__(self) -> str:
         return f"Dataset({str(self.root)!r})"
-
-    def resolve(self, relative: str) -> Path:
-        """The real path of ``relative`` (a path stored in the dataset), inside the root.
-
-        Raises:
-            DatasetError: the path is absolute, has ``..`` components, or a symlink on the
-                way leads outside the root.
-        """
-        return resolve_within(self.root, relative)
 
     # ----------------------------------------------------------------- definitions
 
@@ -111,53 +95,7 @@ class Dataset:
                 cannot be read, another thread is writing this dataset, or the file
                 system refused the write.
         """
-        with writer_slot(self.root):
-            existing = self._lookup(definition.name)
-            if existing is None:
-                rel = definition_relpath(definition.op_type, definition.name)
-                try:
-                    write_new_text(self.resolve(rel), definition.model_dump_json(indent=2) + "\n")
-                    self._known[definition.name] = DefinitionFile(rel, definition)
-                    return self.resolve(rel)
-                except AlreadyExists:
-                    # Another writer stored it between our look and our write: compare.
-                    existing = self._lookup(definition.name, fresh=True)
-                except OSError as exc:
-                    raise write_failed(self.root, exc) from None
-            if existing is None or existing.definition != definition:
-                raise conflict(definition.name, existing.rel if existing else "this dataset")
-            return self.resolve(existing.rel)
-
-    def definitions(self) -> dict[str, Definition]:
-        """Every stored definition by name, read from disk now.
-
-        Raises:
-            DatasetError: a definition file is malformed (the error names it) or two files
-                hold the same name.
-        """
-        files, problems = read_definitions(self.root)
-        _raise_first(f"cannot read the definitions of {self.root}", problems)
-        self._known = {f.definition.name: f for f in files}
-        return {name: f.definition for name, f in self._known.items()}
-
-    def definition(self, name: str) -> Definition:
-        """The stored definition ``name``.
-
-        Raises:
-            DatasetError: no such definition (the message lists the known names), or the
-                definitions cannot be read.
-        """
-        found = self._lookup(name)
-        if found is None:
-            raise DatasetError(f"unknown definition {name!r} in {self.root}",
-                               f"known definitions: {sorted(self._known) or 'none'}",
-                               "store it first with Dataset.write_definition")
-        return found.definition
-
-    def _lookup(self, name: str, *, fresh: bool = False) -> DefinitionFile | None:
-        if fresh or name not in self._known:
-            self.definitions()  # another writer may have added it since we last looked
-        return self._known.get(name)
+        return store_definition(self, definition)
 
     # ------------------------------------------------------------------- workloads
 
@@ -195,28 +133,6 @@ class Dataset:
         """
         return commit(self, records)
 
-    def _target(self, definition: Definition | str) -> tuple[Definition, bool]:
-        if isinstance(definition, str):
-            return self.definition(definition), False
-        definition_relpath(definition.op_type, definition.name)  # refuse unusable names now
-        existing = self._lookup(definition.name)
-        if existing is None:
-            return definition, True
-        if existing.definition != definition:
-            raise conflict(definition.name, existing.rel)
-        return existing.definition, False
-
-    def _refuse_used_uuid(self, definition: Definition, uuid: str) -> None:
-        if definition.name not in self._uuids:
-            rel = workloads_relpath(definition.op_type, definition.name)
-            exists = os.path.lexists(self.resolve(rel))
-            records = read_lines(self.root, rel)[0] if exists else []
-            self._uuids[definition.name] = {r.line.workload.uuid for r in records}
-        if uuid in self._uuids[definition.name]:
-            raise DatasetError(f"uuid {uuid!r} is already used by a workload of "
-                               f"{definition.name!r}", "uuids identify workloads",
-                               "leave uuid unset to get a fresh one")
-
     def workloads(self, name: str) -> list[WorkloadLine]:
         """Every workload line of definition ``name``, in file order.
 
@@ -231,7 +147,7 @@ class Dataset:
         records, problems = read_lines(self.root, rel)
         problems += [f"{r.where}: line is for definition {r.line.definition!r}, not {name!r}"
                      for r in records if r.line.definition != name]
-        _raise_first(f"cannot read the workloads of {name!r}", problems)
+        raise_first(f"cannot read the workloads of {name!r}", problems)
         return [r.line for r in records]
 
     # --------------------------------------------------------------------- tensors
@@ -272,7 +188,7 @@ class Dataset:
         if unknown:
             raise DatasetError(f"workload {line.workload.uuid} stores unknown outputs {unknown}",
                                f"the outputs of {definition.name!r} are "
-                               f"{list(definition.outputs)}", _VALIDATE_FIX)
+                               f"{list(definition.outputs)}", VALIDATE_FIX)
         tensors = self._read_tensors(line, definition, definition.outputs, refs, device)
         return {name: tensors[name] for name in definition.outputs if name in tensors}
 
@@ -289,7 +205,7 @@ class Dataset:
                 out |= {name: loaded[refs[name].tensor_key] for name in names}
             except (OSError, SafetensorError) as exc:
                 raise DatasetError(f"cannot load {rel} for workload {line.workload.uuid}",
-                                   str(exc), _VALIDATE_FIX) from None
+                                   str(exc), VALIDATE_FIX) from None
         for name, tensor in out.items():
             _check_loaded(line, definition, name, specs[name], tensor)
         return {name: tensor.to(device) for name, tensor in out.items()}
@@ -301,12 +217,12 @@ def _check_loaded(line: WorkloadLine, definition: Definition, name: str, spec: T
         expected = definition.shape_of(spec, line.workload.axes) or ()
     except KeyError as exc:
         raise DatasetError(f"workload {line.workload.uuid} lacks var axis {exc}",
-                           f"{name!r} has axes {spec.shape}", _VALIDATE_FIX) from None
+                           f"{name!r} has axes {spec.shape}", VALIDATE_FIX) from None
     if tuple(tensor.shape) != expected or tensor.dtype != torch_dtype(spec.dtype):
         raise DatasetError(
             f"stored {name!r} of workload {line.workload.uuid} does not fit {definition.name!r}",
             f"expected shape {list(expected)} {spec.dtype}, found {list(tensor.shape)} "
-            f"{name_of(tensor.dtype)}", _VALIDATE_FIX)
+            f"{name_of(tensor.dtype)}", VALIDATE_FIX)
 
 
 def _unloadable(line: WorkloadLine, name: str, spec: TensorSpec, stored: Any) -> DatasetError:
@@ -335,9 +251,3 @@ def _not_a_dataset(path: Path) -> DatasetError:
         fix = "give the root directory of a dataset (the one holding definitions/)"
     return DatasetError(f"{path} is not a dataset",
                         f"it holds none of {', '.join(d + '/' for d in DATASET_DIRS)}", fix)
-
-
-def _raise_first(what: str, problems: list[str]) -> None:
-    if problems:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise DatasetError(what, problems[0] + more, _VALIDATE_FIX)

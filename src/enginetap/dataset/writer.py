@@ -46,28 +46,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
-from enginetap.dataset.atomic import append_lines, fsync_dirs, write_new_bytes, write_new_file
+from enginetap.dataset.atomic import (
+    AlreadyExists, append_lines, fsync_dirs, write_new_bytes, write_new_file, write_new_text,
+)
 from enginetap.dataset.blobs import blob_chunks, host_tensors, save_blob
 from enginetap.dataset.checks import CheckedWorkload, check_workload
+from enginetap.dataset.index import DatasetIndex, conflict
 from enginetap.dataset.paths import (
-    OUTPUT_KEY_PREFIX, blob_relpath, safe_component, workloads_relpath,
+    OUTPUT_KEY_PREFIX, blob_relpath, definition_relpath, safe_component, workloads_relpath,
 )
-from enginetap.dataset.scan import describe
+from enginetap.dataset.scan import DefinitionFile, describe
 from enginetap.dataset.schema import (
     Definition, EngineOutputs, EnginetapExtra, Receipt, SafetensorsInput, ScalarInput,
     Workload, WorkloadLine,
 )
 from enginetap.errors import DatasetError, ProblemsError
 
-if TYPE_CHECKING:
-    from enginetap.dataset.store import Dataset
-
 __all__ = [
-    "BatchProblems", "ConcurrentWriterError", "WorkloadRecord", "commit", "conflict",
+    "BatchProblems", "ConcurrentWriterError", "WorkloadRecord", "commit", "store_definition",
     "write_failed", "writer_slot",
 ]
 
@@ -134,7 +134,34 @@ def writer_slot(root: Path) -> Iterator[None]:
                 del _SLOTS[root]
 
 
-def commit(dataset: Dataset, records: Sequence[WorkloadRecord]) -> list[WorkloadLine]:
+def store_definition(dataset: DatasetIndex, definition: Definition) -> Path:
+    """Store ``definition`` unless an equal one is stored; return its file's path (see
+    :meth:`Dataset.write_definition <enginetap.dataset.store.Dataset.write_definition>`).
+
+    Raises:
+        DatasetError: a different definition of that name is stored, the name or op_type
+            cannot be a file name, the definitions cannot be read, another thread is
+            writing this dataset, or the file system refused the write.
+    """
+    with writer_slot(dataset.root):
+        existing = dataset.lookup(definition.name)
+        if existing is None:
+            rel = definition_relpath(definition.op_type, definition.name)
+            try:
+                write_new_text(dataset.resolve(rel), definition.model_dump_json(indent=2) + "\n")
+                dataset.stored(DefinitionFile(rel, definition))
+                return dataset.resolve(rel)
+            except AlreadyExists:
+                # Another writer stored it between our look and our write: compare.
+                existing = dataset.lookup(definition.name, fresh=True)
+            except OSError as exc:
+                raise write_failed(dataset.root, exc) from None
+        if existing is None or existing.definition != definition:
+            raise conflict(definition.name, existing.rel if existing else "this dataset")
+        return dataset.resolve(existing.rel)
+
+
+def commit(dataset: DatasetIndex, records: Sequence[WorkloadRecord]) -> list[WorkloadLine]:
     """Check every record, then write them all; see the module docstring.
 
     Raises:
@@ -145,14 +172,14 @@ def commit(dataset: Dataset, records: Sequence[WorkloadRecord]) -> list[Workload
     with writer_slot(dataset.root):
         planned, new = _plan(dataset, records)
         for definition in new:
-            dataset.write_definition(definition)
+            store_definition(dataset, definition)
         _write(dataset, planned)
         for item in planned:
-            dataset._uuids[item.definition.name].add(item.line.workload.uuid)
+            dataset.used_uuid(item.definition.name, item.line.workload.uuid)
         return [item.line for item in planned]
 
 
-def _plan(dataset: Dataset, records: Sequence[WorkloadRecord]
+def _plan(dataset: DatasetIndex, records: Sequence[WorkloadRecord]
           ) -> tuple[list[_Planned], list[Definition]]:
     planned: list[_Planned] = []
     new: dict[str, Definition] = {}
@@ -173,7 +200,7 @@ def _plan(dataset: Dataset, records: Sequence[WorkloadRecord]
     return planned, list(new.values())
 
 
-def _plan_one(dataset: Dataset, record: WorkloadRecord, new: Mapping[str, Definition],
+def _plan_one(dataset: DatasetIndex, record: WorkloadRecord, new: Mapping[str, Definition],
               taken: set[tuple[str, str]], dirs: dict[str, Path]) -> tuple[_Planned, bool]:
     definition, is_new = _definition(dataset, record.definition, new)
     checked = check_workload(definition, record.inputs, record.outputs)
@@ -182,7 +209,7 @@ def _plan_one(dataset: Dataset, record: WorkloadRecord, new: Mapping[str, Defini
     if (definition.name, uuid) in taken:
         raise DatasetError(f"uuid {uuid!r} is given twice for {definition.name!r} in this "
                            "batch", "uuids identify workloads", "leave uuid unset")
-    dataset._refuse_used_uuid(definition, uuid)
+    dataset.refuse_used_uuid(definition, uuid)
     taken.add((definition.name, uuid))
     blob_rel = blob_relpath(definition.op_type, definition.name, uuid)
     blob = None
@@ -200,14 +227,14 @@ def _plan_one(dataset: Dataset, record: WorkloadRecord, new: Mapping[str, Defini
     return _Planned(definition, checked, line, blob), is_new
 
 
-def _definition(dataset: Dataset, given: Definition | str,
+def _definition(dataset: DatasetIndex, given: Definition | str,
                 new: Mapping[str, Definition]) -> tuple[Definition, bool]:
     name = given if isinstance(given, str) else given.name
     if name in new:  # new in this batch: every record must carry the same one
         if not isinstance(given, str) and given != new[name]:
             raise conflict(name, "this batch")
         return new[name], False
-    return dataset._target(given)
+    return dataset.target(given)
 
 
 def _receipt(given: Receipt | Mapping[str, Any]) -> Receipt:
@@ -236,14 +263,7 @@ class BatchProblems(ProblemsError, DatasetError):
     """Every problem of every refused record of a batch (nothing of it was written)."""
 
 
-def conflict(name: str, where: str) -> DatasetError:
-    """The error for a definition that differs from the one of that name in ``where``."""
-    return DatasetError(f"definition {name!r} already exists in {where} with different content",
-                        "stored definitions are never overwritten",
-                        "give the new definition another name, or use another dataset root")
-
-
-def _write(dataset: Dataset, planned: list[_Planned]) -> None:
+def _write(dataset: DatasetIndex, planned: list[_Planned]) -> None:
     written: list[Path] = []
     try:
         for item in planned:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.base import Template, Tensor, const, var
+from enginetap.definitions.base import Template, Tensor, const, dtype_param, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from enginetap.dataset.schema import Definition
 
 __all__ = [
-    "GQA_PAGED_DECODE", "GQA_RAGGED_PREFILL", "PAGED_CONTRACT", "indptr", "paged_axes",
+    "GQA_PAGED_DECODE", "GQA_RAGGED_PREFILL", "PAGED_CONTRACT", "PAGE_LIST", "indptr",
+    "paged_axes",
     "paged_layout", "random_input",
     "split_lengths",
 ]
@@ -150,6 +151,11 @@ _ROUNDING_NOTE = (
     "of elements, measured on qwen3_next), within the compare rule; no family names that "
     "scheme yet.")
 
+PAGE_LIST = {"kv_indptr": Tensor(("len_indptr",), "int32", "page offsets per request"),
+             "kv_indices": Tensor(("num_kv_indices",), "int32", "page ids, in token order"),
+             "kv_last_page_len": Tensor(("batch_size",), "int32", "tokens in each last page")}
+"""The inputs of a FlashInfer-style page list (``kv_indptr``, ``kv_indices``,
+``kv_last_page_len``), as every paged family declares them."""
 PAGED_CONTRACT = (" kv_last_page_len[b] is in 1..page_size for a request with pages; a request "
           "without pages (kv_indptr[b] == kv_indptr[b+1]) attends nothing: output 0, lse "
           "-inf, its kv_last_page_len ignored. A row's output depends only on the tokens it "
@@ -189,8 +195,7 @@ GQA_RAGGED_PREFILL = Template(
              "lse": Tensor(("total_q", "num_qo_heads"), "float32", "log-sum-exp, base 2")},
     reference="gqa_ragged_prefill.py",
     generate=_generate_ragged,
-    params={"dtype": "bfloat16"},
-    choices={"dtype": ("bfloat16", "float16", "float32")},
+    **dtype_param(),
     constraints=("total_q <= total_kv", "num_qo_heads % num_kv_heads == 0"),
     engines=("transformers", "vllm"),
     example={"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 32},
@@ -220,16 +225,13 @@ GQA_PAGED_DECODE = Template(
     inputs={"q": Tensor(("batch_size", "num_qo_heads", "head_dim"), "{dtype}"),
             "k_cache": Tensor(("num_pages", "page_size", "num_kv_heads", "head_dim"), "{dtype}"),
             "v_cache": Tensor(("num_pages", "page_size", "num_kv_heads", "head_dim"), "{dtype}"),
-            "kv_indptr": Tensor(("len_indptr",), "int32", "page offsets per request"),
-            "kv_indices": Tensor(("num_kv_indices",), "int32", "page ids, in token order"),
-            "kv_last_page_len": Tensor(("batch_size",), "int32", "tokens in each last page"),
+            **PAGE_LIST,
             "sm_scale": Tensor(None, "float32", "softmax scale, usually head_dim ** -0.5")},
     outputs={"output": Tensor(("batch_size", "num_qo_heads", "head_dim"), "{dtype}"),
              "lse": Tensor(("batch_size", "num_qo_heads"), "float32", "log-sum-exp, base 2")},
     reference="gqa_paged_decode.py",
     generate=_generate_paged,
-    params={"dtype": "bfloat16"},
-    choices={"dtype": ("bfloat16", "float16", "float32")},
+    **dtype_param(),
     constraints=("len_indptr == batch_size + 1", "num_qo_heads % num_kv_heads == 0"),
     engines=("transformers", "vllm"),
     example={"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 32, "page_size": 16},

@@ -21,16 +21,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from enginetap.dataset.constraints import broken
 from enginetap.dataset.schema import AxisConst, AxisVar, Definition, TensorSpec
-from enginetap.definitions.constraints import broken_constraints
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "Axis", "CompareRule", "Template", "Tensor", "compile_reference", "const", "family_of",
-    "params_of", "var",
+    "FLOAT_DTYPES", "Axis", "CompareRule", "Template", "Tensor", "compile_reference", "const",
+    "dtype_param", "family_of", "params_of", "var",
 ]
 
 FAMILY_TAG = "enginetap:family="
@@ -49,6 +49,16 @@ def const(description: str = "") -> Axis:
 
 def var(description: str = "") -> Axis:
     return Axis("var", description)
+
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+"""The activation dtypes a family's ``dtype`` param may take."""
+
+
+def dtype_param() -> dict[str, Any]:
+    """``params`` and ``choices`` of a family whose one param is its activation ``dtype``
+    (bfloat16 unless given): ``Template(..., **dtype_param())``."""
+    return {"params": {"dtype": "bfloat16"}, "choices": {"dtype": FLOAT_DTYPES}}
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,7 @@ class Template:
         if not problems:
             consts = {k: values[k] for k in self.const_axes}
             problems += [f"the const axes break {rule!r}"
-                         for rule in broken_constraints(self.constraints, consts)]
+                         for rule in broken(self.constraints, consts)]
         if problems:
             raise DefinitionError(
                 f"cannot instantiate {self.family!r}", "; ".join(problems),

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.definitions.attention import indptr, random_input, split_lengths
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
+from enginetap.definitions.base import CompareRule, Template, Tensor, const, dtype_param, var
 from enginetap.errors import DefinitionError
 
 if TYPE_CHECKING:
@@ -132,8 +132,7 @@ GDN_PREFILL = Template(
     reference="gdn_prefill.py",
     generate=_generate_prefill,
     compare={"final_state": _STATE_RULE},
-    params={"dtype": "bfloat16"},
-    choices={"dtype": ("bfloat16", "float16", "float32")},
+    **dtype_param(),
     constraints=("len_cu_seqlens == num_seqs + 1", *_CONSTRAINTS),
     engines=("transformers", "vllm"),
     example={"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64},
@@ -174,8 +173,7 @@ GDN_DECODE = Template(
     reference="gdn_decode.py",
     generate=_generate_decode,
     compare={"new_state": _STATE_RULE},
-    params={"dtype": "bfloat16"},
-    choices={"dtype": ("bfloat16", "float16", "float32")},
+    **dtype_param(),
     constraints=_CONSTRAINTS,
     engines=("transformers", "vllm"),
     example={"num_qk_heads": 2, "num_v_heads": 4, "head_size": 64},

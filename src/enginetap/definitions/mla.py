@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginetap.definitions.attention import (
+    PAGE_LIST,
     PAGED_CONTRACT,
     indptr,
     paged_axes,
@@ -18,7 +19,7 @@ from enginetap.definitions.attention import (
     random_input,
     split_lengths,
 )
-from enginetap.definitions.base import Template, Tensor, const, var
+from enginetap.definitions.base import Template, Tensor, const, dtype_param, var
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +27,13 @@ if TYPE_CHECKING:
     from enginetap.dataset.schema import Definition
 
 __all__ = ["MLA_PAGED_DECODE", "MLA_PAGED_PREFILL"]
+
+_LATENT_CONSTS = {"num_qo_heads": const("query heads (per rank)"),
+                  "head_dim_ckv": const("latent (kv_lora_rank) size"),
+                  "head_dim_kpe": const("rope key size (qk_rope_head_dim)"),
+                  "page_size": const("tokens per page")}
+_LATENT_CACHE = {"ckv_cache": Tensor(("num_pages", "page_size", "head_dim_ckv"), "{dtype}"),
+                 "kpe_cache": Tensor(("num_pages", "page_size", "head_dim_kpe"), "{dtype}")}
 
 
 def _generate(definition: Definition, axes: Mapping[str, int], gen: torch.Generator,
@@ -57,27 +65,20 @@ MLA_PAGED_DECODE = Template(
         "instead, same math. transformers runs MLA un-absorbed on a dense cache, not this form."),
     axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
           "num_pages": var("pages in the cache"), "num_kv_indices": var("pages in use"),
-          "num_qo_heads": const("query heads (per rank)"),
-          "head_dim_ckv": const("latent (kv_lora_rank) size"),
-          "head_dim_kpe": const("rope key size (qk_rope_head_dim)"),
-          "page_size": const("tokens per page")},
+          **_LATENT_CONSTS},
     inputs={"q_nope": Tensor(("batch_size", "num_qo_heads", "head_dim_ckv"), "{dtype}",
                              "query in latent space (W_UK absorbed)"),
             "q_pe": Tensor(("batch_size", "num_qo_heads", "head_dim_kpe"), "{dtype}",
                            "rotary part of the query"),
-            "ckv_cache": Tensor(("num_pages", "page_size", "head_dim_ckv"), "{dtype}"),
-            "kpe_cache": Tensor(("num_pages", "page_size", "head_dim_kpe"), "{dtype}"),
-            "kv_indptr": Tensor(("len_indptr",), "int32", "page offsets per request"),
-            "kv_indices": Tensor(("num_kv_indices",), "int32", "page ids, in token order"),
-            "kv_last_page_len": Tensor(("batch_size",), "int32", "tokens in each last page"),
+            **_LATENT_CACHE,
+            **PAGE_LIST,
             "sm_scale": Tensor(None, "float32", "softmax scale of the un-absorbed head size")},
     outputs={"output": Tensor(("batch_size", "num_qo_heads", "head_dim_ckv"), "{dtype}",
                               "attention output in latent space (before W_UV)"),
              "lse": Tensor(("batch_size", "num_qo_heads"), "float32", "log-sum-exp, base 2")},
     reference="mla_paged_decode.py",
     generate=_generate,
-    params={"dtype": "bfloat16"},
-    choices={"dtype": ("bfloat16", "float16", "float32")},
+    **dtype_param(),
     constraints=("len_indptr == batch_size + 1",),
     engines=("vllm",),
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},
@@ -159,28 +160,21 @@ MLA_PAGED_PREFILL = Template(
     axes={"batch_size": var("requests"), "len_indptr": var("requests + 1"),
           "total_q": var("query tokens of all requests"),
           "num_pages": var("pages in the cache"), "num_kv_indices": var("pages in use"),
-          "num_qo_heads": const("query heads (per rank)"),
-          "head_dim_ckv": const("latent (kv_lora_rank) size"),
-          "head_dim_kpe": const("rope key size (qk_rope_head_dim)"),
-          "page_size": const("tokens per page")},
+          **_LATENT_CONSTS},
     inputs={"q_nope": Tensor(("total_q", "num_qo_heads", "head_dim_ckv"), "{dtype}",
                              "query in latent space (W_UK absorbed)"),
             "q_pe": Tensor(("total_q", "num_qo_heads", "head_dim_kpe"), "{dtype}",
                            "rotary part of the query"),
-            "ckv_cache": Tensor(("num_pages", "page_size", "head_dim_ckv"), "{dtype}"),
-            "kpe_cache": Tensor(("num_pages", "page_size", "head_dim_kpe"), "{dtype}"),
+            **_LATENT_CACHE,
             "qo_indptr": Tensor(("len_indptr",), "int32", "query row offsets per request"),
-            "kv_indptr": Tensor(("len_indptr",), "int32", "page offsets per request"),
-            "kv_indices": Tensor(("num_kv_indices",), "int32", "page ids, in token order"),
-            "kv_last_page_len": Tensor(("batch_size",), "int32", "tokens in each last page"),
+            **PAGE_LIST,
             "sm_scale": Tensor(None, "float32", "softmax scale of the un-absorbed head size")},
     outputs={"output": Tensor(("total_q", "num_qo_heads", "head_dim_ckv"), "{dtype}",
                               "attention output in latent space (before W_UV)"),
              "lse": Tensor(("total_q", "num_qo_heads"), "float32", "log-sum-exp, base 2")},
     reference="mla_paged_prefill.py",
     generate=_generate_prefill,
-    params={"dtype": "bfloat16"},
-    choices={"dtype": ("bfloat16", "float16", "float32")},
+    **dtype_param(),
     constraints=("len_indptr == batch_size + 1",),
     engines=("vllm",),
     example={"num_qo_heads": 4, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 16},

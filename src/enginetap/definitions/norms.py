@@ -39,7 +39,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from enginetap.definitions.base import CompareRule, Template, Tensor, const, var
+from enginetap.definitions.base import (
+    FLOAT_DTYPES, CompareRule, Template, Tensor, const, dtype_param, var,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +52,6 @@ __all__ = ["FUSED_ADD_RMSNORM", "FUSED_ADD_RMSNORM_OFFSET", "RMSNORM", "RMSNORM_
 
 _EPS = 1e-6
 _ROUNDING = ("twice", "once")
-_DTYPES = ("bfloat16", "float16", "float32")
 # The engines' spread, relative (see the module docstring); zeros stay zeros in every engine.
 _SPREAD = CompareRule(atol=2.0 ** -24, rtol=3 * 2.0 ** -7)
 
@@ -95,6 +96,18 @@ def _axes(consts: Mapping[str, int], index: int) -> dict[str, int]:
 
 _AXES = {"batch_size": var("rows (tokens) normalised in this call"),
          "hidden_size": const("model hidden size")}
+_ROW = Tensor(("batch_size", "hidden_size"), "{dtype}")
+_WEIGHT = Tensor(("hidden_size",), "{dtype}")
+_OFFSET_WEIGHT = Tensor(("hidden_size",), "{dtype}", "the stored weight w; scale 1 + w")
+_VARIANCE_EPS = Tensor(None, "float32", "variance epsilon")
+_FUSED_OUTPUTS = {"output": Tensor(("batch_size", "hidden_size"), "{dtype}", "normalised sum"),
+                  "residual_out": Tensor(("batch_size", "hidden_size"), "{dtype}",
+                                         "hidden_states + residual, the next layer's residual")}
+# What every norm family shares: rows of hidden_size, the same example and workloads.
+_ROWS_FAMILY: dict[str, Any] = {"axes": _AXES, "example": {"hidden_size": 128},
+                                "example_axes": {"batch_size": 5}, "workload_axes": _axes}
+_DTYPE_AND_ROUNDING = {"params": {"dtype": "bfloat16", "rounding": "twice"},
+            "choices": {"dtype": FLOAT_DTYPES, "rounding": _ROUNDING}}
 _INPUT_MAP = ("vLLM: RMSNorm.forward (model_executor/layers/layernorm.py) with x -> "
               "hidden_states, self.weight -> weight, self.variance_epsilon -> eps")
 _ROUNDING_DOC = (
@@ -116,20 +129,14 @@ RMSNORM = Template(
         "self.variance_epsilon. Gemma-style norms (scale by 1 + w, multiplied in float32 and "
         "rounded once) are not this family: weight = 1 + w rounded to dtype loses what their "
         "float32 1 + w keeps." + _ROUNDING_DOC),
-    axes=_AXES,
-    inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
-            "weight": Tensor(("hidden_size",), "{dtype}"),
-            "eps": Tensor(None, "float32", "variance epsilon")},
-    outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}")},
+    inputs={"hidden_states": _ROW, "weight": _WEIGHT, "eps": _VARIANCE_EPS},
+    outputs={"output": _ROW},
     reference="rmsnorm.py",
     generate=_generate_rmsnorm,
     compare={"output": _SPREAD},
-    params={"dtype": "bfloat16", "rounding": "twice"},
-    choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("transformers", "vllm"),
-    example={"hidden_size": 128},
-    example_axes={"batch_size": 5},
-    workload_axes=_axes,
+    **_DTYPE_AND_ROUNDING,
+    **_ROWS_FAMILY,
 )
 
 RMSNORM_OFFSET = Template(
@@ -144,20 +151,14 @@ RMSNORM_OFFSET = Template(
         "self.eps. vLLM: GemmaRMSNorm.forward(x) without a residual (Qwen3-Next's "
         "Qwen3NextRMSNorm), which passes the float32 1 + w to vllm.ir rms_norm as its "
         "weight. Engines agree within a relative 3 * 2^-7 (the rmsnorm family's spread)."),
-    axes=_AXES,
-    inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
-            "weight": Tensor(("hidden_size",), "{dtype}", "the stored weight w; scale 1 + w"),
-            "eps": Tensor(None, "float32", "variance epsilon")},
-    outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}")},
+    inputs={"hidden_states": _ROW, "weight": _OFFSET_WEIGHT, "eps": _VARIANCE_EPS},
+    outputs={"output": _ROW},
     reference="rmsnorm_offset.py",
     generate=_generate_rmsnorm,
     compare={"output": _SPREAD},
-    params={"dtype": "bfloat16"},
-    choices={"dtype": _DTYPES},
     engines=("transformers", "vllm"),
-    example={"hidden_size": 128},
-    example_axes={"batch_size": 5},
-    workload_axes=_axes,
+    **dtype_param(),
+    **_ROWS_FAMILY,
 )
 
 FUSED_ADD_RMSNORM = Template(
@@ -177,23 +178,14 @@ FUSED_ADD_RMSNORM = Template(
         "runs this family. Engines of the same rounding agree within a relative 3 * 2^-7 (vLLM "
         "CPU builds for CPUs without AVX512-BF16 truncate: residual_out 1 ulp, output up to 3 "
         "ulps), which is the compare rule."),
-    axes=_AXES,
-    inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
-            "residual": Tensor(("batch_size", "hidden_size"), "{dtype}"),
-            "weight": Tensor(("hidden_size",), "{dtype}"),
-            "eps": Tensor(None, "float32", "variance epsilon")},
-    outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}", "normalised sum"),
-             "residual_out": Tensor(("batch_size", "hidden_size"), "{dtype}",
-                                    "hidden_states + residual, the next layer's residual")},
+    inputs={"hidden_states": _ROW, "residual": _ROW, "weight": _WEIGHT, "eps": _VARIANCE_EPS},
+    outputs=_FUSED_OUTPUTS,
     reference="fused_add_rmsnorm.py",
     generate=_generate_fused_add,
     compare={"output": _SPREAD, "residual_out": _SPREAD},
-    params={"dtype": "bfloat16", "rounding": "twice"},
-    choices={"dtype": _DTYPES, "rounding": _ROUNDING},
     engines=("vllm",),
-    example={"hidden_size": 128},
-    example_axes={"batch_size": 5},
-    workload_axes=_axes,
+    **_DTYPE_AND_ROUNDING,
+    **_ROWS_FAMILY,
 )
 
 FUSED_ADD_RMSNORM_OFFSET = Template(
@@ -210,21 +202,13 @@ FUSED_ADD_RMSNORM_OFFSET = Template(
         "hidden_states, residual -> residual; returns (output, residual_out). transformers "
         "adds in dtype and calls the plain norm, so only vLLM runs this family. Engines "
         "agree within a relative 3 * 2^-7 (the rmsnorm families' spread)."),
-    axes=_AXES,
-    inputs={"hidden_states": Tensor(("batch_size", "hidden_size"), "{dtype}"),
-            "residual": Tensor(("batch_size", "hidden_size"), "{dtype}"),
-            "weight": Tensor(("hidden_size",), "{dtype}", "the stored weight w; scale 1 + w"),
-            "eps": Tensor(None, "float32", "variance epsilon")},
-    outputs={"output": Tensor(("batch_size", "hidden_size"), "{dtype}", "normalised sum"),
-             "residual_out": Tensor(("batch_size", "hidden_size"), "{dtype}",
-                                    "hidden_states + residual, the next layer's residual")},
+    inputs={"hidden_states": _ROW, "residual": _ROW, "weight": _OFFSET_WEIGHT,
+            "eps": _VARIANCE_EPS},
+    outputs=_FUSED_OUTPUTS,
     reference="fused_add_rmsnorm_offset.py",
     generate=_generate_fused_add,
     compare={"output": _SPREAD, "residual_out": _SPREAD},
-    params={"dtype": "bfloat16"},
-    choices={"dtype": _DTYPES},
     engines=("vllm",),
-    example={"hidden_size": 128},
-    example_axes={"batch_size": 5},
-    workload_axes=_axes,
+    **dtype_param(),
+    **_ROWS_FAMILY,
 )

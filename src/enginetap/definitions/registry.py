@@ -5,14 +5,15 @@ Built from the explicit list in :mod:`enginetap.definitions.families` on first u
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
+from typing import Any
 
 from enginetap.dataset.schema import Definition
 from enginetap.definitions.base import Template, family_of, params_of
 from enginetap.definitions.families import FAMILIES
 from enginetap.errors import DefinitionError
 
-__all__ = ["get_template", "known_template", "templates"]
+__all__ = ["get_template", "instantiate", "known_template", "templates"]
 
 
 @cache
@@ -44,6 +45,24 @@ def get_template(family: str) -> Template:
         raise DefinitionError(f"unknown definition family {family!r}",
                               f"known families: {sorted(_registry())}",
                               "use `enginetap definitions list` to see them") from None
+
+
+def instantiate(family: str, /, cached: bool = False, **values: Any) -> Definition:
+    """``get_template(family).instantiate(**values)``; ``cached`` keeps one definition per
+    distinct values (a probe that builds one on every captured call: building renders the
+    reference), which callers then share and must not change.
+
+    Raises:
+        DefinitionError: no such family, or ``values`` do not instantiate it.
+    """
+    if cached:
+        return _instantiate_cached(family, tuple(sorted(values.items())))
+    return get_template(family).instantiate(**values)
+
+
+@lru_cache(maxsize=512)
+def _instantiate_cached(family: str, values: tuple[tuple[str, Any], ...]) -> Definition:
+    return get_template(family).instantiate(**dict(values))
 
 
 def known_template(definition: Definition) -> Template | None:

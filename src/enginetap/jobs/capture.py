@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from enginetap.capture.labels import write_labels
+from enginetap.capture.summary import CaptureSummary
 from enginetap.config import ARMING_VARS, ArmConfig
 from enginetap.errors import ConfigError
 from enginetap.jobs.device import require_vllm
@@ -70,7 +71,7 @@ class CaptureJob:
 @dataclass
 class CaptureResult:
     dataset: Path
-    summaries: list[dict[str, Any]]
+    summaries: list[CaptureSummary]
     receipts: int
     status: str
 
@@ -107,9 +108,9 @@ def run_capture(job: CaptureJob, *, on_engine: Callable[[Any], None] | None = No
         raise
     (run_dir / "traffic.json").write_text(report.model_dump_json(indent=2) + "\n")
     summaries = _summaries(run_dir)
-    failed = [s for s in summaries if s.get("write_error")]
+    failed = [s for s in summaries if s.write_error]
     status = "failed" if failed or not summaries else "complete"
-    _status(run_dir, status, job, failed[0]["write_error"] if failed else
+    _status(run_dir, status, job, failed[0].write_error if failed else
             "" if summaries else "no capture summary was written")
     return CaptureResult(job.out, summaries, len(report.receipts), status)
 
@@ -246,8 +247,8 @@ def _status(run_dir: Path, status: str, job: CaptureJob, reason: str = "") -> No
     partial.replace(run_dir / "capture-run.json")
 
 
-def _summaries(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("capture-summary-rank*.json"))]
+def _summaries(run_dir: Path) -> list[CaptureSummary]:
+    return [CaptureSummary.read(p) for p in sorted(run_dir.glob("capture-summary-rank*.json"))]
 
 
 # ---------------------------------------------------------------------- engines

@@ -215,11 +215,20 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
                   gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False,
                   max_num_seqs=size, seed=0, dtype=_vllm_dtype(facts))
     arming = current_arming()
-    catcher = Catcher(arming.hooks.capture_probes() if arming else [], side.step,
+    hooks = arming.hooks if arming is not None else None
+    loaded: list[Any] = []  # the model vLLM loaded in this process (the engine core's)
+    if hooks is not None:
+        hooks.on_model_loaded(loaded.append)
+    catcher = Catcher(hooks.capture_probes() if hooks is not None else [], side.step,
                       culprit.module)
     try:
         catcher.patches.install()
-        catcher.add_model(None, [])
+        for network in loaded:  # its sublayers name the running module, as capture's do
+            assert hooks is not None
+            if not catcher.covers(network):
+                raise _uncovered(culprit, model, f"no probed class or kernel runs inside "
+                                                 f"{culprit.module}")
+            catcher.add_model(network, hooks.sublayer_targets(network))
         params = SamplingParams(max_tokens=int(facts.get("max_new_tokens") or 8),
                                 temperature=0.0)
         prompts, done = list(facts["prompts"]), {}
@@ -227,6 +236,7 @@ def _rerun_vllm(side: Side, culprit: Culprit, tap_dir: Path) -> list:
             _generate_batch(llm.llm_engine, prompts, start, size, params, done)
     finally:
         catcher.uninstall()
+        loaded.clear()
         del llm
         gc.collect()
         close_all()

@@ -90,7 +90,7 @@ class Catcher:
     def _targets(probe: Probe, model: Any) -> list[str]:
         if probe.target:
             return [probe.target]
-        if model is None:  # no model object at hand (vLLM's): class-suffix probes left out
+        if model is None:  # no model object at hand: class-suffix probes left out
             return []
         classes = sublayer_classes(model, SublayerSpec(suffixes=(probe.suffix,)))
         return [f"{c.__module__}:{c.__qualname__}.{probe.method}" for c in classes]

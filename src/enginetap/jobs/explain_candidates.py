@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from enginetap.errors import ConfigError
+from enginetap.jobs.explain_layout import pick_slice
 
 __all__ = ["check_candidates", "check_names"]
 
@@ -63,14 +64,6 @@ def _call(function: Any, definition: Any, inputs: dict[str, Any],
     return {k: v.detach().to("cpu") for k, v in outputs.items()}
 
 
-def _slice(tensor: torch.Tensor, sizes: list[int], p: int) -> torch.Tensor:
-    total = sum(sizes)
-    if tensor.shape[0] == total and total != len(sizes):
-        start = sum(sizes[:p])
-        return tensor[start:start + sizes[p]]
-    return tensor[p:p + 1]
-
-
 def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float | None:
     found = [float((v.double() - b[k].double()).abs().max()) for k, v in a.items()
              if k in b and not torch.equal(v, b[k])]
@@ -86,9 +79,9 @@ def _judge(function: Any, definition: Any, configs: list[Any], device: str) -> s
         base = _call(function, definition, alone.extracted.inputs, device)
         first = _call(function, definition, copies.extracted.inputs, device)
         again = _call(function, definition, copies.extracted.inputs, device)
-        base_row = {k: _slice(v, alone.sizes, 0) for k, v in base.items()}
+        base_row = {k: pick_slice(v, alone.sizes, 0) for k, v in base.items()}
         for p in range(len(copies.picks)):
-            d = _differ(base_row, {k: _slice(v, copies.sizes, p) for k, v in first.items()})
+            d = _differ(base_row, {k: pick_slice(v, copies.sizes, p) for k, v in first.items()})
             if d is not None:
                 variant.append(f"position {p} ({d:.3g})")
         if (d := _differ(first, again)) is not None:

@@ -14,7 +14,7 @@ import torch
 
 from enginetap.core.context import Step
 
-__all__ = ["Layout", "common_rows", "request_inputs"]
+__all__ = ["Layout", "common_rows", "pick_slice", "request_inputs"]
 
 
 @dataclass
@@ -98,6 +98,16 @@ def common_rows(a: Step, key_a: str, b: Step, key_b: str) -> int:
     while n < min(len(rows_a), len(rows_b)) and rows_a[n] == rows_b[n]:
         n += 1
     return n
+
+
+def pick_slice(tensor: torch.Tensor, sizes: list[int], p: int) -> torch.Tensor:
+    """Pick ``p``'s part of a canonical tensor of a call made of picks of ``sizes``
+    canonical rows each: its rows where the tensor is token-shaped, else its entry."""
+    total = sum(sizes)
+    if tensor.shape[0] == total and total != len(sizes):
+        start = sum(sizes[:p])
+        return tensor[start:start + sizes[p]]
+    return tensor[p:p + 1]
 
 
 def request_inputs(inputs: dict[str, Any], layout: Layout, j: int,

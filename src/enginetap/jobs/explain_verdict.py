@@ -24,7 +24,7 @@ import torch
 
 from enginetap.jobs.explain import ExplainResult
 from enginetap.jobs.explain_calls import Caught, call_again, first_tensor
-from enginetap.jobs.explain_layout import Layout, common_rows, request_inputs
+from enginetap.jobs.explain_layout import Layout, common_rows, pick_slice, request_inputs
 from enginetap.tap.culprit import Culprit
 
 __all__ = ["judge", "side_output", "write_repro"]
@@ -43,15 +43,7 @@ class Config:
 
     def output(self, p: int) -> dict[str, torch.Tensor]:
         """Pick ``p``'s slice of every output."""
-        return {k: _slice(v, self.sizes, p) for k, v in self.extracted.outputs.items()}
-
-
-def _slice(tensor: torch.Tensor, sizes: list[int], p: int) -> torch.Tensor:
-    total = sum(sizes)
-    if tensor.shape[0] == total and total != len(sizes):
-        start = sum(sizes[:p])
-        return tensor[start:start + sizes[p]]
-    return tensor[p:p + 1]
+        return {k: pick_slice(v, self.sizes, p) for k, v in self.extracted.outputs.items()}
 
 
 def side_output(caught: Caught, key: str, limit: int | None = None,
@@ -324,9 +316,10 @@ def write_repro(out: Path, culprit: Culprit, result: ExplainResult, ca: Caught,
 def _record(caught: Caught, extracted: Any, culprit: Culprit, side: int, config: str,
             keys: list[str], version: str, record: Any) -> Any:
     facts = culprit.sides[side].facts
+    engine = str(facts.get("engine") or "builtin")  # the re-run's engine (vllm's too)
     return record(definition=caught.definition, inputs=extracted.inputs,
                   outputs=extracted.outputs, receipt={
-                      "source": "explain:builtin", "engine": "builtin",
+                      "source": f"explain:{engine}", "engine": engine,
                       "model": str(facts.get("model")), "request_ids": keys,
                       "step": caught.step.step, "mode": caught.step.mode,
                       "layer": caught.module, "enginetap_version": version,

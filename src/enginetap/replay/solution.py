@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from enginetap.core.isolated import one_line
 from enginetap.core.patching import ResolveError, resolve
+from enginetap.core.patching.targets import attribute_path
 from enginetap.dataset.dtypes import torch_dtype
 from enginetap.dataset.schema import Definition
 from enginetap.errors import ConfigError
@@ -121,10 +122,7 @@ def _load(module_name: str, attr: str) -> Any:
     """A module's attribute through the one resolver, or a .py file's, loaded by path."""
     if not module_name.endswith(".py"):
         return resolve(f"{module_name}:{attr}")
-    found: Any = _import_file(module_name)
-    for part in attr.split("."):
-        found = getattr(found, part, None)
-    return found
+    return attribute_path(_import_file(module_name), attr, f"{module_name}:{attr}")
 
 
 def _import_file(name: str) -> Any:

@@ -11,7 +11,7 @@ from enginetap.core.patching import PatchSet
 from enginetap.core.scope import ScopeUse
 from enginetap.tap.options import TapOptions
 from enginetap.tap.points import CheckpointNames, logits_wrapper, sublayer_wrapper
-from enginetap.tap.recorder import TapRecorder
+from enginetap.tap.record import TapRecorder
 
 __all__ = ["TapInstall", "install"]
 
@@ -32,8 +32,11 @@ class TapInstall:
         self.recorder.model_loaded(model)
         self.names.add_model(model)
         if self.recorder.options.depth == "layers":
-            targets = self.names.layer_targets(model, targets,
-                                               kernel_points=self.recorder.options.continuity)
+            kept = self.names.layer_targets(model, targets,
+                                            kernel_points=self.recorder.options.continuity)
+            # a point riding on a sublayer wrapper goes where that wrapper goes
+            points = [(t, f) for t, f in points if t in kept or t not in targets]
+            targets = kept
         cls = type(model)
         own = f"{cls.__module__}:{cls.__qualname__}.forward"
         factories: dict[str, Callable[..., Any]] = dict.fromkeys(targets, sublayer_wrapper)

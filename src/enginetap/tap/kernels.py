@@ -12,7 +12,7 @@ whole-tensor fingerprint run near the device's read bandwidth.
   partial sums with global word positions, then their sum): state and KV continuity;
 - :func:`hash_table_rows`: chosen rows of many tensors, read in place through a table of
   base pointers, in one launch (the deferred checkpoints of a step, see
-  :mod:`enginetap.tap.deferred`).
+  :mod:`enginetap.tap.record.deferred`).
 
 Both need Triton and a device it runs on (CUDA; on a CPU, Triton's interpreter, which the
 tests use through ``TRITON_INTERPRET=1``). :func:`available` says whether they apply to a

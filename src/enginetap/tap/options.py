@@ -51,7 +51,7 @@ class TapOptions(BaseModel):
     later in the step at step end, in place, all in one kernel, instead of one gather per
     checkpoint; each checkpoint is verified against the gather path the first times it is
     seen in a step of each kind and every ``defer_verify_every`` steps (see
-    ``enginetap.tap.deferred`` for what that cannot see). Not with ``vectors`` (they need the gathered
+    ``enginetap.tap.record.deferred`` for what that cannot see). Not with ``vectors`` (they need the gathered
     rows)."""
     defer_bytes: int = Field(1 << 30, ge=0)
     """Most bytes of checkpointed tensors kept alive until step end by ``defer`` (beyond

@@ -1,4 +1,4 @@
-"""Where the tap records: wrappers on sublayer classes and the built-in engine's caches.
+"""Where the tap records: wrappers on sublayer classes and on the model's own forward.
 
 Every sublayer class the engine names (:meth:`EngineHooks.sublayer_targets`) gets one
 wrapper: it records the output rows under the module's short scope name (``L3.attn.out``,
@@ -6,16 +6,10 @@ wrapper: it records the output rows under the module's short scope name (``L3.at
 with ``inputs="all"``). Checkpoints are therefore in execution order: a module's input
 before its children, its output after them.
 
-Kernel-level points of transformers models (the built-in engine's dense caches), read
-around the attention and gated-delta modules that own them:
-
-- ``Lk.attn.kv_written``: the key and value of each tapped row, read back from the cache
-  after the layer wrote them; ``Lk.attn.kv_prev``: the cache column of the row's previous
-  position, re-read at this step (it must equal that position's ``kv_written``);
-- ``Lk.gdn.state_before`` / ``state_after`` (and ``conv_before`` / ``conv_after``): the
-  recurrent and convolution state of each tapped row's request around the step.
-
-Modules of other engines lack these cache arguments, so only their outputs are recorded.
+Engines add kernel-level points (KV rows, recurrent state) through their hooks'
+:meth:`~enginetap.core.capability.EngineHooks.tap_points`: the built-in engine's ride on
+this wrapper (``around=``, :mod:`enginetap.engines.hf.tap`), vLLM's and SGLang's wrap
+their kernels.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import torch
 
 from enginetap.core.patching import contained
 from enginetap.core.scope import SCOPE
-from enginetap.tap.recorder import TapRecorder, outputs_of
+from enginetap.tap.record import TapRecorder, outputs_of
 
 __all__ = ["CheckpointNames", "logits_wrapper", "sublayer_wrapper"]
 
@@ -101,16 +95,19 @@ class CheckpointNames:
         return self._names.get(id(module))
 
 
-def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
+def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames, around: Any = None):
     """The wrapper factory's product for every sublayer target. It runs hundreds of times
     per step, so it contains its own errors (:func:`~enginetap.core.patching.contained`):
     a failure is reported by the recorder and the engine's call goes on unchanged.
 
     In a quick step (:meth:`TapRecorder._start_quick`) it only lists each checkpoint's
     tensor (a tuple of outputs as it is) for the recorder to examine after the forward,
-    except names in :attr:`TapRecorder.at_call` and kernel-level points."""
+    except names in :attr:`TapRecorder.at_call` and kernel-level points.
+
+    ``around``: an engine's points read around the module's forward (its ``before`` and
+    ``after`` called with the checkpoint base name, kind, module, hidden states and
+    keyword arguments), recorded after the module's input and output."""
     every_input = recorder.options.inputs == "all"
-    continuity = recorder.options.continuity
     layers_only = recorder.options.depth == "layers"
     by_id = names._names
     failed = recorder.wrapper_failed
@@ -132,16 +129,15 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
                 elif is_layer and cuda and torch.cuda.is_current_stream_capturing():
                     recorder.settle()  # the step stops being quick
                     quick = None
-            states = continuity and kind == "gdn"
-            hidden = _hidden(args, kwargs) if (every_input or is_layer or states
-                                               or (continuity and kind == "attn")) else None
+            hidden = _hidden(args, kwargs) if (every_input or is_layer
+                                               or around is not None) else None
             if every_input or is_layer:
                 if quick is not None and name_in not in at_call:
                     quick.append((name_in, hidden))
                 else:
-                    recorder.checkpoint(name_in, hidden)
-            if states:
-                _state_points(recorder, name, instance, hidden, kwargs, "before")
+                    recorder.take(name_in, hidden)
+            if around is not None:
+                around.before(name, kind, instance, hidden, kwargs)
         except Exception as exc:
             failed(exc)
             return wrapped(*args, **kwargs)
@@ -151,14 +147,12 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
                 if quick is not None and name_out not in at_call and recorder.quick is quick:
                     quick.append((name_out, out))
                 elif isinstance(out, torch.Tensor):
-                    recorder.checkpoint(name_out, out)
+                    recorder.take(name_out, out)
                 else:
                     for suffix, tensor in outputs_of(out):
-                        recorder.checkpoint(f"{name}.{suffix}", tensor)
-            if continuity and kind == "attn":
-                _kv_points(recorder, name, instance, hidden, kwargs)
-            elif states:
-                _state_points(recorder, name, instance, hidden, kwargs, "after")
+                        recorder.take(f"{name}.{suffix}", tensor)
+            if around is not None:
+                around.after(name, kind, instance, hidden, kwargs)
         except Exception as exc:
             failed(exc)
         return out
@@ -166,56 +160,9 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames):
     return tap_sublayer
 
 
-def _batch_rows(recorder: TapRecorder, hidden: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(batch row, column within this step's inputs, columns) of each tapped row, for a
-    ``[batch, columns, ...]`` input."""
-    columns = int(hidden.shape[1])
-    index = recorder.index(hidden.device)
-    return index // columns, index % columns, columns
-
-
-def _kv_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
-               kwargs: dict) -> None:
-    cache = kwargs.get("past_key_values")
-    if cache is None or not recorder.live:
-        return
-    layer_idx = getattr(module, "layer_idx", None)
-    layers = getattr(cache, "layers", None)
-    if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
-            or hidden.dim() < 3 or layer_idx >= len(layers):
-        return
-    keys = getattr(layers[layer_idx], "keys", None)
-    values = getattr(layers[layer_idx], "values", None)
-    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) \
-            or keys.dim() != 4 or keys.shape[0] != hidden.shape[0]:
-        return
-    batch, column, columns = _batch_rows(recorder, hidden)
-    written = keys.shape[2] - columns + column
-    for suffix, col in (("kv_written", written), ("kv_prev", (written - 1).clamp(min=0))):
-        k = keys[batch, :, col, :].reshape(len(recorder.rows), -1)
-        v = values[batch, :, col, :].reshape(len(recorder.rows), -1)
-        both = torch.cat([k.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)], 1)
-        recorder.checkpoint_rows(f"{name}.{suffix}", both)
-
-
-def _state_points(recorder: TapRecorder, name: str, module: Any, hidden: Any,
-                  kwargs: dict, when: str) -> None:
-    cache = kwargs.get("cache_params")
-    if cache is None or not recorder.live:
-        return
-    layer_idx = getattr(module, "layer_idx", None)
-    layers = getattr(cache, "layers", None)
-    if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
-            or hidden.dim() < 3 or layer_idx >= len(layers):
-        return
-    layer = layers[layer_idx]
-    # one state per request, however many of its rows are tapped (a prefill's)
-    batch = recorder.request_index(hidden.device) // int(hidden.shape[1])
-    for label, states in (("state", "recurrent_states"), ("conv", "conv_states")):
-        state = (getattr(layer, states, None) or {}).get(0)
-        if isinstance(state, torch.Tensor) and state.shape[0] == hidden.shape[0]:
-            recorder.checkpoint_requests(f"{name}.{label}_{when}",
-                                         state.index_select(0, batch))
+def _batch_rows(recorder: TapRecorder, hidden: Any) -> torch.Tensor:
+    """The batch row of each tapped row, for a ``[batch, columns, ...]`` input."""
+    return recorder.index(hidden.device) // int(hidden.shape[1])
 
 
 def logits_wrapper(recorder: TapRecorder):
@@ -228,7 +175,7 @@ def logits_wrapper(recorder: TapRecorder):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if recorder.step is not None and recorder.live and isinstance(logits, torch.Tensor) \
                 and logits.dim() == 3 and isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            batch, _, _ = _batch_rows(recorder, ids)
+            batch = _batch_rows(recorder, ids)
             recorder.note_logits(logits[batch, -1, :])
         return out
 

@@ -35,7 +35,7 @@ from enginetap.core.files import NotRegular, read_capped
 from enginetap.errors import describe_validation
 
 from enginetap.tap.compare import comparable, last_of_request
-from enginetap.tap.fingerprint import StepStaging
+from enginetap.tap.record.staging import StepStaging
 
 logger = logging.getLogger("enginetap.tap")
 

@@ -39,6 +39,11 @@ class HFHooks(EngineHooks):
     def sublayer_targets(self, model: Any) -> list[str]:
         return sublayer_targets(model, SUBLAYERS)
 
+    def tap_points(self, model: Any) -> list[tuple[str, Any]]:
+        from enginetap.engines.hf.tap import tap_points
+
+        return tap_points(model)
+
     def capture_probes(self) -> list[Any]:
         from enginetap.engines.hf.probes import PROBES
 

@@ -75,39 +75,35 @@ class BuiltinSolution:
         return made
 
 
+def _adapters(module: str, *families: str) -> dict[str, str]:
+    """Each family's adapter factory: the function of that name in ``module`` here."""
+    return {family: f"{_HERE}.{module}:{family}" for family in families}
+
+
 BUILTINS: tuple[BuiltinSolution, ...] = (
     BuiltinSolution(
         name="fla:gdn", library="fla-core flash-linear-attention",
         modules=("fla", "triton"), devices=("cuda",),
-        adapters={"gdn_prefill": f"{_HERE}.fla:gdn_prefill",
-                  "gdn_decode": f"{_HERE}.fla:gdn_decode"},
+        adapters=_adapters("fla", "gdn_prefill", "gdn_decode"),
         summary="flash-linear-attention: chunk_gated_delta_rule (prefill, varlen, states), "
                 "fused_recurrent_gated_delta_rule (decode)"),
     BuiltinSolution(
         name="liger:rmsnorm", library="liger-kernel", modules=("liger_kernel", "triton"),
         devices=("cuda",),
-        adapters={"rmsnorm": f"{_HERE}.liger:rmsnorm",
-                  "rmsnorm_offset": f"{_HERE}.liger:rmsnorm_offset",
-                  "fused_add_rmsnorm": f"{_HERE}.liger:fused_add_rmsnorm"},
+        adapters=_adapters("liger", "rmsnorm", "rmsnorm_offset", "fused_add_rmsnorm"),
         summary="Liger Triton kernels: rms_norm_forward, fused_add_rms_norm_forward "
                 "(casting mode from the definition's rounding)"),
     BuiltinSolution(
         name="torch:sdpa", library="torch", modules=("torch",), devices=("cpu", "cuda"),
-        adapters={"gqa_ragged_prefill": f"{_HERE}.sdpa:gqa_ragged_prefill",
-                  "gqa_paged_decode": f"{_HERE}.sdpa:gqa_paged_decode",
-                  "mla_paged_decode": f"{_HERE}.sdpa:mla_paged_decode"},
+        adapters=_adapters("sdpa", "gqa_ragged_prefill", "gqa_paged_decode", "mla_paged_decode"),
         summary="torch.nn.functional.scaled_dot_product_attention per request (pages "
                 "gathered; lse beside it by logsumexp)"),
     BuiltinSolution(
         name="torch:flex", library="torch", modules=("torch",), devices=("cpu", "cuda"),
-        adapters={"gqa_ragged_prefill": f"{_HERE}.flex:gqa_ragged_prefill",
-                  "gqa_paged_decode": f"{_HERE}.flex:gqa_paged_decode",
-                  "mla_paged_decode": f"{_HERE}.flex:mla_paged_decode",
-                  "dsa_sparse_mla": f"{_HERE}.flex:dsa_sparse_mla",
-                  "sparse_mla_prefill_sink": f"{_HERE}.flex:sparse_mla_prefill_sink",
-                  "sparse_gqa_paged_decode": f"{_HERE}.flex:sparse_gqa_paged_decode",
-                  "mla_paged_prefill": f"{_HERE}.flex:mla_paged_prefill",
-                  "mla_decode_fp8_fp4_sink": f"{_HERE}.flex:mla_decode_fp8_fp4_sink"},
+        adapters=_adapters("flex", "gqa_ragged_prefill", "gqa_paged_decode", "mla_paged_decode",
+                           "dsa_sparse_mla", "sparse_mla_prefill_sink",
+                           "sparse_gqa_paged_decode", "mla_paged_prefill",
+                           "mla_decode_fp8_fp4_sink"),
         summary="torch flex_attention with a block mask (document, page and sparse-index "
                 "masks), one call per workload; its lse natively (compiled on cuda)"),
 )

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from enginetap.replay.builtin.pages import LOG2, slot_mask, sparse_mask
+from enginetap.replay.builtin.pages import LOG2, PageList, paged_decode, slot_mask, sparse_mask
 
 if TYPE_CHECKING:
     import torch
@@ -98,17 +98,14 @@ def gqa_ragged_prefill(definition: Definition) -> Callable[..., Any]:
 
 def gqa_paged_decode(definition: Definition) -> Callable[..., Any]:
     """``run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale)``."""
-    page_size = definition.const_axes["page_size"]
+    return paged_decode(definition, _paged_decode)
 
-    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-        allowed = slot_mask(kv_indptr, kv_indices, kv_last_page_len, page_size, k_flat.shape[0])
-        return _attend(q.transpose(0, 1), k_flat.transpose(0, 1), v_flat.transpose(0, 1),
-                       allowed, float(sm_scale))
 
-    return run
+def _paged_decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                  pages: PageList, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    allowed = slot_mask(*pages, k_flat.shape[0])
+    return _attend(q.transpose(0, 1), k_flat.transpose(0, 1), v_flat.transpose(0, 1),
+                   allowed, scale)
 
 
 def _latent(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,

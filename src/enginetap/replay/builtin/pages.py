@@ -9,14 +9,40 @@ one request (gathered, for SDPA) or a dense ``[rows, num_slots]`` bool mask (for
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LOG2", "request_slots", "slot_mask", "sparse_mask"]
+__all__ = ["LOG2", "PageList", "paged_decode", "request_slots", "slot_mask", "sparse_mask"]
 
 LOG2 = math.log(2.0)
+
+
+class PageList(NamedTuple):
+    """A FlashInfer-style page list of a batch and the cache's page size."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_size: int
+
+
+def paged_decode(definition: Any, attend: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """A ``gqa_paged_decode`` adapter: ``run(q, k_cache, v_cache, kv_indptr, kv_indices,
+    kv_last_page_len, sm_scale)`` calls ``attend(q, k_slots, v_slots, pages, scale)`` with
+    the caches flattened to slots ``[num_pages * page_size, num_kv_heads, head_dim]``."""
+    page_size = definition.const_axes["page_size"]
+
+    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = PageList(kv_indptr, kv_indices, kv_last_page_len, page_size)
+        return attend(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), pages, float(sm_scale))
+
+    return run
 
 
 def request_slots(kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from enginetap.replay.builtin.pages import LOG2, request_slots
+from enginetap.replay.builtin.pages import LOG2, PageList, paged_decode, request_slots
 
 if TYPE_CHECKING:
     import torch
@@ -69,25 +69,21 @@ def gqa_ragged_prefill(definition: Definition) -> Callable[..., Any]:
 
 def gqa_paged_decode(definition: Definition) -> Callable[..., Any]:
     """``run(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale)``."""
-    page_size = definition.const_axes["page_size"]
+    return paged_decode(definition, _paged_decode)
 
-    def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-            sm_scale: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
 
-        k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-        output = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
-        for b, slots in enumerate(request_slots(kv_indptr, kv_indices, kv_last_page_len,
-                                                page_size)):
-            if slots.numel():
-                out_b, lse_b = _attend(q[b, :, None], k_flat[slots].transpose(0, 1),
-                                       v_flat[slots].transpose(0, 1), float(sm_scale), None)
-                output[b], lse[b] = out_b[0], lse_b[0]
-        return output, lse
+def _paged_decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                  pages: PageList, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
 
-    return run
+    output = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    for b, slots in enumerate(request_slots(*pages)):
+        if slots.numel():
+            out_b, lse_b = _attend(q[b, :, None], k_flat[slots].transpose(0, 1),
+                                   v_flat[slots].transpose(0, 1), scale, None)
+            output[b], lse[b] = out_b[0], lse_b[0]
+    return output, lse
 
 
 def mla_paged_decode(definition: Definition) -> Callable[..., Any]:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from enginetap.capture.probe import ProbeCall
-from enginetap.capture.probe import instantiate as cached_instantiate
 from enginetap.dataset.schema import Definition
+from enginetap.definitions import instantiate as _instantiate
 
 __all__ = ["DTYPES", "PAD_NOTE", "BatchRequest", "Pages", "batch_requests", "column_ranges",
            "end_aligned", "fill_pages", "gather_pages", "instantiate", "live_columns", "one_run",
@@ -30,8 +30,9 @@ PAD_NOTE = "padding rows of the engine's left-padded batch dropped; rows in step
 
 
 def instantiate(family: str, **values: Any) -> Definition:
-    """The family's definition for ``values`` (kept per distinct values by capture)."""
-    return cached_instantiate(family, **values)
+    """The family's definition for ``values``, kept per distinct values: these probes build
+    one on every captured call."""
+    return _instantiate(family, cached=True, **values)
 
 
 def token_rows(call: ProbeCall, tensor: torch.Tensor) -> torch.Tensor:

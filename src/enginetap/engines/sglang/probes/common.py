@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from enginetap.capture.probe import ProbeCall
-from enginetap.dataset.schema import Definition
-from enginetap.definitions import get_template
+from enginetap.definitions import instantiate
 
 __all__ = ["DTYPES", "instantiate", "single_rank"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def instantiate(family: str, **values: Any) -> Definition:
-    return get_template(family).instantiate(**values)
 
 
 def single_rank(call: ProbeCall) -> None:

@@ -9,23 +9,17 @@ every rank), only rank 0 gets tensors back, and only rank 0 writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from enginetap.capture.probe import Extracted, ProbeCall
 from enginetap.core.ranks import gather_shards
-from enginetap.dataset.schema import Definition
-from enginetap.definitions import get_template
+from enginetap.definitions import instantiate
 
 __all__ = ["DTYPES", "Pages", "compact_pages", "gather", "instantiate", "is_writer",
            "other_rank", "summed", "tp_world"]
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def instantiate(family: str, **values: Any) -> Definition:
-    return get_template(family).instantiate(**values)
 
 
 def tp_world(call: ProbeCall) -> int:

@@ -1,4 +1,5 @@
-"""What a replay found, as pydantic models (saved with ``--json``) and as a rich table.
+"""What a replay found, as pydantic models (saved with ``--json``); :mod:`~enginetap.replay.render`
+shows them.
 
 Statuses, worst last: ``PASS``, ``SKIPPED`` (a built-in solution that does not cover the
 definition's family, whose library is not installed or that does not run on this device:
@@ -19,24 +20,19 @@ rounding the engine also does, even when it is within tolerance.
 
 from __future__ import annotations
 
+import statistics
 from typing import Literal
 
 from pydantic import BaseModel, Field, computed_field
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from enginetap.replay.compare import Comparison
 
 __all__ = ["NOT_EXPOSED", "DefinitionResult", "OutputCheck", "ReplayOptions", "ReplayReport",
-           "SolutionSummary", "WorkloadResult", "agreement", "engine_exact", "problem_lines",
-           "render_tables", "tolerance", "unexposed_lines", "worst"]
+           "SolutionSummary", "Status", "WorkloadResult", "agreement", "engine_exact",
+           "summarize", "tolerance", "worst"]
 
 Status = Literal["PASS", "SKIPPED", "FAIL", "ERROR", "REFUSED"]
 _RANK: dict[str, int] = {"PASS": 0, "SKIPPED": 1, "FAIL": 2, "ERROR": 3, "REFUSED": 4}
-_STYLE = {"PASS": "green", "SKIPPED": "yellow", "FAIL": "red", "ERROR": "red",
-          "REFUSED": "yellow"}
 
 
 def worst(statuses: list[Status]) -> Status:
@@ -178,8 +174,6 @@ class ReplayReport(BaseModel):
     @property
     def summary(self) -> list[SolutionSummary]:
         """One row per definition and solution (see :func:`summarize`)."""
-        from enginetap.replay.summary import summarize
-
         return summarize(self)
 
     def _statuses(self) -> list[Status]:
@@ -194,93 +188,6 @@ class ReplayReport(BaseModel):
 
 NOT_EXPOSED = "not exposed by this engine; not stored, so not compared"
 """The message of a ``reference`` check on an output the capturing engine does not expose."""
-
-
-def summary_line(report: ReplayReport) -> str:
-    """``ok: 36 PASS`` / ``not ok: 2 PASS, 1 FAIL`` / ``not ok: nothing to replay``."""
-    counts = ", ".join(f"{n} {s}" for s, n in report.counts.items() if n)
-    return f"{'ok' if report.ok else 'not ok'}: {counts or 'nothing to replay'}"
-
-
-def print_report(console: Console, report: ReplayReport) -> None:
-    """The per-definition tables, then one line per problem (plain text, no markup)."""
-    for table in render_tables(report):
-        console.print(table)
-    for line in problem_lines(report) + unexposed_lines(report):
-        # One line each, never wrapped: they are meant to be grepped.
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def unexposed_lines(report: ReplayReport) -> list[str]:
-    """One line per declared output that the capturing engine does not expose (so no
-    workload of the definition stores it): ``NOTE name: output lse not exposed by this
-    engine in 4 of 4 workload(s); not stored, so not compared``."""
-    lines = []
-    for d in report.definitions:
-        missing: dict[str, int] = {}
-        for w in d.workloads:
-            for c in w.checks:
-                if c.message == NOT_EXPOSED:
-                    missing[c.output] = missing.get(c.output, 0) + 1
-        lines += [f"NOTE {d.name}: output {name} not exposed by this engine in {n} of "
-                  f"{len(d.workloads)} workload(s); not stored, so not compared"
-                  for name, n in missing.items()]
-    return lines
-
-
-def render_tables(report: ReplayReport) -> list[Table]:
-    """One table per replayed definition, one row per check (or per failed workload).
-
-    Candidate columns appear only when a candidate ran; SKIPPED checks are left out (the
-    definition x solution summary says why). Definitions refused or failing as a
-    whole have no table: :func:`problem_lines` says why.
-    """
-    with_candidate = bool(report.options.solutions)
-    return [_definition_table(d, with_candidate) for d in report.definitions if d.workloads]
-
-
-def _definition_table(result: DefinitionResult, with_candidate: bool) -> Table:
-    # Names, uuids and outputs are dataset data: escaped, so that no markup is read in them.
-    title = f"{escape(result.name)}  {_status(result.status)}  (reference: {result.reference})"
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("workload", "output", *(["check"] if with_candidate else []), "status",
-                "agreement"):
-        table.add_column(col, no_wrap=True)
-    for col in ("max abs", "max rel"):
-        table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("tolerance", no_wrap=True)
-    for col in ["matched", "ref ms"] + (["cand ms", "speedup"] if with_candidate else []):
-        table.add_column(col, justify="right", no_wrap=True)
-    for w in result.workloads:
-        reference, timed = _num(w.reference_ms, ".3f"), set()
-        # SKIPPED checks say the same for every workload: the summary table gives the reason.
-        shown = [c for c in w.checks if c.status != "SKIPPED"]
-        for c in shown or [None]:
-            cells = [escape(w.uuid[:8]), escape(c.output) if c else "-"]
-            cells += [_check_name(c)] if with_candidate else []
-            numbers = _numbers(c and c.comparison)
-            cells += [_status(c.status if c else w.status), _agreement_cell(c, w),
-                      *numbers[:2], tolerance(c and c.comparison), numbers[2], reference]
-            reference = ""  # once per workload
-            if with_candidate:
-                cells += _candidate_timing(w, c, timed)
-            table.add_row(*cells)
-    return table
-
-
-def _check_name(check: OutputCheck | None) -> str:
-    if check is None:
-        return "-"
-    return escape(check.solution) if check.check == "candidate" and check.solution else check.check
-
-
-def _candidate_timing(w: WorkloadResult, check: OutputCheck | None, timed: set[str]) -> list[str]:
-    """The solution's time and speedup on its first row of the workload, else blanks."""
-    name = check.solution if check is not None and check.check == "candidate" else None
-    if name is None or name in timed or name not in w.candidate_ms:
-        return ["", ""]
-    timed.add(name)
-    return [_num(w.candidate_ms[name], ".3f"), _num(w.speedup.get(name), ".2f", "x")]
 
 
 def agreement(check: OutputCheck | None) -> Literal["exact", "within tolerance", "failing"] | None:
@@ -323,66 +230,51 @@ def tolerance(comparison: Comparison | None) -> str:
     return f"atol={comparison.atol:.3g} rtol={comparison.rtol:.3g}"
 
 
-def _agreement_cell(check: OutputCheck | None, workload: WorkloadResult) -> str:
-    said = agreement(check)
-    if said is None or check is None:
-        return "-"
-    return said + (" (engine: exact)" if engine_exact(workload, check) else "")
+_LOOSEST = ("failing", "within tolerance", "exact")
 
 
-def problem_lines(report: ReplayReport) -> list[str]:
-    """One line per dataset problem and per thing that did not pass; a compared output's
-    line ends with its max abs / max rel error and tolerance."""
-    lines = [f"PROBLEM {p}" for p in report.problems]
-    for d in report.definitions:
-        if d.message:
-            lines.append(f"{d.status} {d.name}: {d.message}")
-        for w in d.workloads:
-            if w.message:
-                lines.append(f"{w.status} {d.name} workload {w.uuid}: {w.message}")
-            for c in w.checks:
-                reason = c.message or (c.comparison.reason if c.comparison else None)
-                if c.status not in ("PASS", "SKIPPED") and reason:
-                    lines.append(f"{c.status} {d.name} workload {w.uuid} ({_axes(w)}) output "
-                                 f"{c.output} ({c.solution or c.check}): {reason}"
-                                 + _error_note(w, c))
-    return lines
+def summarize(report: ReplayReport) -> list[SolutionSummary]:
+    """Per replayed definition and solution: statuses, median times, worst errors."""
+    return [_row(d, name) for d in report.definitions if d.workloads
+            for name in report.options.solutions]
 
 
-def _error_note(workload: WorkloadResult, check: OutputCheck) -> str:
-    """``; max abs 0.5, max rel 0.02 (tolerance atol=0.01 rtol=0.01)`` and whether the
-    engine matched exactly, for a check that compared numbers."""
-    c = check.comparison
-    if c is None or (tolerance(c) == "-" and c.max_abs_error is None):
-        return ""  # nothing was compared element by element (a shape or dtype mismatch)
-    if c.kind == "selection":
-        note = f"; tolerance {tolerance(c)}"
-    else:
-        errors = f"{c.nonfinite} NaN/inf mismatch(es), finite " if c.nonfinite else ""
-        note = (f"; {errors}max abs {_num(c.max_abs_error, '.3g')}, max rel "
-                f"{_num(c.max_rel_error, '.3g')} (tolerance {tolerance(c)})")
-    if engine_exact(workload, check):
-        note += "; the engine's own output matched the reference exactly"
-    return note
+def _row(result: DefinitionResult, solution: str) -> SolutionSummary:
+    per_workload: list[Status] = []
+    checks: list[OutputCheck] = []
+    exact_engine = 0
+    for w in result.workloads:
+        mine = [c for c in w.checks if c.check == "candidate" and c.solution == solution]
+        checks += mine
+        per_workload.append(worst([c.status for c in mine]) if mine else w.status)
+        exact_engine += any(engine_exact(w, c) for c in mine)
+    counts = {s: per_workload.count(s) for s in dict.fromkeys(per_workload)}
+    ref = _median([w.reference_ms for w in result.workloads])
+    cand = _median([w.candidate_ms.get(solution) for w in result.workloads])
+    errors = [c.comparison.max_abs_error for c in checks
+              if c.comparison is not None and c.comparison.max_abs_error is not None]
+    relative = [c.comparison.max_rel_error for c in checks
+                if c.comparison is not None and c.comparison.max_rel_error is not None]
+    agreements = {agreement(c) for c in checks} - {None}
+    tolerances = dict.fromkeys(tolerance(c.comparison) for c in checks if c.comparison)
+    tolerances.pop("-", None)
+    return SolutionSummary(
+        definition=result.name, solution=solution, status=worst(per_workload), counts=counts,
+        reference_ms=ref, candidate_ms=cand, speedup=ref / cand if ref and cand else None,
+        max_abs_error=max(errors, default=None),
+        nonfinite=sum(c.comparison.nonfinite for c in checks if c.comparison is not None),
+        reason=_reason(checks), max_rel_error=max(relative, default=None),
+        agreement=next((a for a in _LOOSEST if a in agreements), None),
+        tolerance=" | ".join(tolerances) or None, engine_exact=exact_engine)
 
 
-def _axes(w: WorkloadResult) -> str:
-    return " ".join(f"{k}={v}" for k, v in w.axes.items()) or "no var axes"
+def _reason(checks: list[OutputCheck]) -> str | None:
+    for check in checks:
+        if check.status != "PASS":
+            return check.message or (check.comparison.reason if check.comparison else None)
+    return None
 
 
-def _status(status: Status) -> str:
-    return f"[{_STYLE[status]}]{status}[/]"
-
-
-def _numbers(comparison: Comparison | None) -> list[str]:
-    if comparison is None:
-        return ["-", "-", "-"]
-    errors = [_num(comparison.max_abs_error, ".3g"), _num(comparison.max_rel_error, ".3g")]
-    if comparison.nonfinite:
-        # The maxima cover finite elements only: a NaN/inf mismatch must not read as 0.
-        errors = [f"{comparison.nonfinite} NaN/inf"] * 2
-    return [*errors, f"{100 * comparison.matched_ratio:.2f}%"]
-
-
-def _num(value: float | None, fmt: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{fmt}}{suffix}"
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

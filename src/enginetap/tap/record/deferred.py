@@ -77,6 +77,8 @@ class DeferredHashes:
     checks: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, staged slot, deferred slot) of the checkpoints verified this step."""
     held: int = 0
+    spent: bool = False
+    """The last :meth:`keep` or :meth:`accepts` refused only for the byte budget."""
     hashed_bytes: int = 0
     """Bytes of tapped rows the last :meth:`hashes` read."""
     verified: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -97,6 +99,7 @@ class DeferredHashes:
 
     def accepts(self, name: str, source: torch.Tensor) -> bool:
         """Whether ``source`` (``[rows, width]``, last dim contiguous) can be deferred."""
+        self.spent = False
         if name in self.demoted:
             return False
         nbytes = source.shape[1] * source.element_size()
@@ -104,6 +107,7 @@ class DeferredHashes:
             return False
         size = source.shape[0] * source.stride(0) * source.element_size()
         if self.held + size > self.budget:
+            self.spent = True
             return False
         self.held += size
         return True
@@ -139,7 +143,9 @@ class DeferredHashes:
         checkpoint's fast path: no view of the tensor is made (a view is a tensor object,
         microseconds per checkpoint)."""
         if name in self.demoted or self.held + nbytes > self.budget:
+            self.spent = name not in self.demoted
             return -1
+        self.spent = False
         self.held += nbytes
         return self._append(name, tensor, tensor.data_ptr(), words, words)
 

@@ -1,0 +1,11 @@
+"""Capture writers: the engine thread hands workloads over; a thread of this process
+(:class:`ThreadWriter`) or a child process (:class:`ProcessWriter`) writes them into the
+dataset. Both are :class:`CaptureWriter` subclasses; :mod:`.wire` is the pipe to the child."""
+
+from __future__ import annotations
+
+from enginetap.capture.writers.base import CaptureWriter, Item, WriterStats
+from enginetap.capture.writers.process import ProcessWriter
+from enginetap.capture.writers.thread import ThreadWriter
+
+__all__ = ["CaptureWriter", "Item", "ProcessWriter", "ThreadWriter", "WriterStats"]

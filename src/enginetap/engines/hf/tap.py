@@ -1,0 +1,149 @@
+"""Kernel-level tap points of the built-in engine (:meth:`HFHooks.tap_points`): read from
+transformers' dense caches around the attention and gated-delta modules that own them.
+
+- ``Lk.attn.kv_written``: the key and value of each tapped row, read back from the cache
+  (``past_key_values``) after the layer wrote them; ``Lk.attn.kv_prev``: the cache column
+  of the row's previous position, re-read at this step (it must equal that position's
+  ``kv_written``);
+- ``Lk.gdn.state_before`` / ``state_after`` (and ``conv_before`` / ``conv_after``): the
+  recurrent and convolution state (``cache_params``) of each tapped row's request around
+  the step.
+
+The points ride on the sublayer wrapper of their module's class
+(:func:`~enginetap.tap.points.sublayer_wrapper` with ``around=``), so they are recorded
+right after the module's output, in execution order. The cache rows a step reads are the
+same for every layer: their flat indices are built once per step on the host and sent in
+one copy; each layer then costs two gathers and one concatenation into its staging slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from enginetap.core.scope import SCOPE, sublayer_targets
+from enginetap.engines.hf.targets import SUBLAYERS
+from enginetap.tap.points import sublayer_wrapper
+from enginetap.tap.record import TapRecorder
+
+__all__ = ["CachePoints", "tap_points"]
+
+Factory = Callable[[TapRecorder, Any], Callable[..., Any]]
+
+
+def tap_points(model: Any) -> list[tuple[str, Factory]]:
+    """The sublayer targets of ``model``'s attention and gated-delta classes, each with a
+    sublayer wrapper that also reads the caches around the module's forward."""
+    sublayers = set(sublayer_targets(model, SUBLAYERS))
+    targets = set()
+    for module in model.modules():
+        short = SCOPE.short(module)
+        if short is not None and short.rpartition(".")[2] in ("attn", "gdn"):
+            cls = type(module)
+            targets.add(f"{cls.__module__}:{cls.__qualname__}.forward")
+    return [(target, _factory) for target in sorted(targets & sublayers)]
+
+
+def _factory(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    around = CachePoints(recorder) if recorder.options.continuity else None
+    return sublayer_wrapper(recorder, names, around=around)
+
+
+class CachePoints:
+    """Reads a module's cache rows before and after its forward, for one recorder."""
+
+    def __init__(self, recorder: TapRecorder) -> None:
+        self.recorder = recorder
+        self._step: Any = None
+        self._index: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def before(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
+        if kind == "gdn":
+            self._states(name, module, hidden, kwargs, "before")
+
+    def after(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
+        if kind == "attn":
+            self._kv(name, module, hidden, kwargs)
+        elif kind == "gdn":
+            self._states(name, module, hidden, kwargs, "after")
+
+    def _cached(self, key: tuple[Any, ...], make: Callable[[], list[int]],
+                device: torch.device) -> torch.Tensor:
+        """An index tensor on ``device`` built once per step and ``key``."""
+        if self._step is not self.recorder.step:
+            self._step, self._index = self.recorder.step, {}
+        found = self._index.get(key)
+        if found is None:
+            found = torch.tensor(make(), dtype=torch.int64).to(device, non_blocking=True)
+            self._index[key] = found
+        return found
+
+    def _kv(self, name: str, module: Any, hidden: Any, kwargs: dict) -> None:
+        recorder = self.recorder
+        layer = _cache_layer(kwargs.get("past_key_values"), module, hidden, recorder)
+        if layer is None:
+            return
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) \
+                or keys.dim() != 4 or keys.shape[0] != hidden.shape[0] \
+                or values.shape != keys.shape:
+            return
+        batch, heads, length, dim = keys.shape
+        columns = int(hidden.shape[1])
+        index = self._cached(("kv", batch, heads, length, columns, keys.device),
+                             lambda: _kv_rows(recorder.token_index, heads, length, columns),
+                             keys.device)
+        rows = len(recorder.token_index)
+        k = keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
+        v = values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
+        for i, suffix in enumerate(("kv_written", "kv_prev")):
+            slot = recorder.row_slot(f"{name}.{suffix}", keys.dtype, 2 * heads * dim,
+                                     keys.device)
+            if slot is not None:
+                torch.cat([k[i], v[i]], 1, out=slot)
+
+    def _states(self, name: str, module: Any, hidden: Any, kwargs: dict, when: str) -> None:
+        recorder = self.recorder
+        layer = _cache_layer(kwargs.get("cache_params"), module, hidden, recorder)
+        if layer is None:
+            return
+        columns = int(hidden.shape[1])
+        for label, states in (("state", "recurrent_states"), ("conv", "conv_states")):
+            state = (getattr(layer, states, None) or {}).get(0)
+            if not isinstance(state, torch.Tensor) or state.shape[0] != hidden.shape[0]:
+                continue
+            # one state per request, however many of its rows are tapped (a prefill's)
+            batch = self._cached(("requests", columns, state.device), lambda: [
+                t // columns for t in recorder.request_token_index], state.device)
+            slot = recorder.request_slot(f"{name}.{label}_{when}", state.dtype,
+                                         state[0].numel(), state.device)
+            if slot is not None:
+                torch.index_select(state.reshape(state.shape[0], -1), 0, batch, out=slot)
+
+
+def _cache_layer(cache: Any, module: Any, hidden: Any, recorder: TapRecorder) -> Any:
+    """The layer of ``cache`` that ``module`` owns, or None (no cache, no tapped row, an
+    input that is not ``[batch, columns, ...]``)."""
+    if cache is None or not recorder.live:
+        return None
+    layer_idx = getattr(module, "layer_idx", None)
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
+            or hidden.dim() < 3 or layer_idx >= len(layers):
+        return None
+    return layers[layer_idx]
+
+
+def _kv_rows(token_index: list[int], heads: int, length: int, columns: int) -> list[int]:
+    """Flat ``[batch * heads * length]`` row indices of a ``[batch, heads, length, dim]``
+    cache: every head of each tapped row's written column, then of its previous column."""
+    written, previous = [], []
+    for token in token_index:
+        batch, column = divmod(token, columns)
+        col = length - columns + column
+        base = batch * heads * length
+        written += [base + h * length + col for h in range(heads)]
+        previous += [base + h * length + max(col - 1, 0) for h in range(heads)]
+    return written + previous
