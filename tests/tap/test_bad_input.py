@@ -87,6 +87,7 @@ def test_a_bad_prompt_file_names_its_line(tmp_path: Path) -> None:
     (["--mode", "graph"], "unknown mode 'graph'"),
     (["--engine", "sglang", "--mode", "compile"], "--mode compile needs --engine builtin"),
     (["--mode", "compile", "--vectors", "split"], "--mode compile writes no raw rows"),
+    (["--mode", "graphs"], "--mode graphs needs --device cuda"),
 ])
 def test_tap_run_refuses_an_engine_it_cannot_run(tmp_path: Path, args: list[str],
                                                  message: str) -> None:

@@ -87,6 +87,58 @@ def test_compiled_records_every_sublayer_checkpoint_and_equals_eager(run: Run) -
     assert result.rows_compared > 0 and result.rows_diverged == 0 and result.first is None
 
 
+@pytest.mark.parametrize("model,not_placed", [
+    ("qwen3_moe", KV_POINTS),
+    ("qwen3_next", [f"L{i}.gdn.{p}_{w}" for i in range(3) for p in ("state", "conv")
+                    for w in ("before", "after")] + ["L3.attn.kv_written", "L3.attn.kv_prev"]),
+])
+def test_moe_and_hybrid_models_compile_armed_and_equal_eager(run: Run, model: str,
+                                                             not_placed: list[str]) -> None:
+    """The experts' forward is a closure: with the tap's class wrapper on it, dynamo's
+    guard on the wrapper's closure failed on the frame that made it."""
+    eager_tokens, eager = run(model, max_new_tokens=3)
+    tokens, compiled = run(model, compile="aot_eager", max_new_tokens=3)
+    assert eager is not None and compiled is not None
+    assert tokens == eager_tokens
+    assert _no_op_graph_break() == []
+    assert compiled.header["not_placed"] == not_placed
+    from enginetap.tap.analysis.report import analyse, summary
+
+    assert f"not placed under torch.compile (not recorded in this mode): " \
+        f"{', '.join(not_placed)}" in summary(analyse(compiled))
+    for sa, sb in zip(eager.rank(0).steps, compiled.rank(0).steps, strict=True):
+        expected = [c for c in sa.checkpoints if c not in not_placed]
+        assert sb.checkpoints == expected
+        assert any(".moe.experts.out" in c for c in expected)
+        assert sb.hashes == [sa.hashes[sa.checkpoints.index(c)] for c in expected]
+    (result,) = diff_runs(eager, compiled)
+    assert result.rows_compared > 0 and result.rows_diverged == 0 and result.first is None
+
+
+def test_detach_puts_the_tap_class_patches_back(tmp_path: Path) -> None:
+    """After the compiled tap leaves (the tap still armed), an eager model of the same
+    classes is tapped by the class wrappers again, KV points included."""
+    from enginetap.engines.hf.arming import arm
+    from enginetap.tap.arming import TapInstall
+
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=tmp_path)
+    try:
+        engine = HFEngine.from_builtin("llama", dtype=torch.float32, arm=config,
+                                       compile="aot_eager")
+        armed = arm(config)
+        assert armed is not None
+        (tap,) = [i for i in armed.installed if isinstance(i, TapInstall)]
+        compiled = tap.recorder.compiled
+        target = "transformers.models.llama.modeling_llama:LlamaMLP.forward"
+        assert target not in {str(p.target) for p in tap.patches.patches}
+        compiled.detach()
+        assert target in {str(p.target) for p in tap.patches.patches if p.installed}
+        assert tap.names.get(engine.model.model.layers[1].mlp) == "L1.mlp"
+    finally:
+        disarm()
+        close_all()
+
+
 def _planted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Request r1's row (batch row 1) of layer 1's MLP output gets +1e-3 at decode steps,
     inside the compiled graph (a hook registered before the tap's own)."""

@@ -40,8 +40,10 @@ def run(
         help="sublayers (every sublayer's output) or layers (decoder layers' input and "
              "output only: about a third of the checkpoints).")] = "sublayers",
     mode: Annotated[str, typer.Option(
-        help="Built-in engine: eager (default) or compile (torch.compile of the decoder "
-             "stack, checkpoints hashed in the graph).")] = "eager",
+        help="Built-in engine: eager (default), compile (torch.compile of the decoder "
+             "stack, checkpoints hashed in the graph) or graphs (CUDA-graph decode over a "
+             "static KV cache, checkpoints hashed in the graphs; needs --device cuda).")
+    ] = "eager",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace a previous run's tap files in --out (refused without).")
     ] = False,
@@ -73,14 +75,17 @@ def run(
     if depth not in ("sublayers", "layers"):
         raise ConfigError(f"unknown depth {depth!r}", "the tap records sublayers or layers",
                           "pass --depth sublayers or --depth layers")
-    if mode not in ("eager", "compile"):
-        raise ConfigError(f"unknown mode {mode!r}", "the built-in engine runs eager or "
-                          "compiled", "pass --mode eager or --mode compile")
+    if mode not in ("eager", "compile", "graphs"):
+        raise ConfigError(f"unknown mode {mode!r}", "the built-in engine runs eager, "
+                          "compiled or by CUDA graphs", "pass --mode eager, compile or graphs")
+    if mode == "graphs" and device != "cuda":
+        raise ConfigError("--mode graphs needs --device cuda", "CUDA graphs replay on a "
+                          "CUDA device", "add --device cuda, or pass --mode eager")
     if mode != "eager" and engine != "builtin":
         raise ConfigError(f"--mode {mode} needs --engine builtin", f"{engine} is tapped in "
                           "its own (eager) mode here", "drop --mode, or pass --engine builtin")
-    if mode == "compile" and (vectors != "off" or vector_steps):
-        raise ConfigError("--mode compile writes no raw rows", "its checkpoints are hashed "
+    if mode != "eager" and (vectors != "off" or vector_steps):
+        raise ConfigError(f"--mode {mode} writes no raw rows", "its checkpoints are hashed "
                           "inside the compiled graph, no rows are staged",
                           "drop --vectors / --vector-steps, or run --mode eager")
     texts = load_prompts(prompts)
@@ -103,7 +108,7 @@ def run(
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device,
-                             compile=mode == "compile")
+                             compile=mode == "compile", mode=mode)
     save_run_command(out, command)
     typer.echo(f"recorded {len(outputs)} request(s) in batches of {batch_size} to {out}")
 

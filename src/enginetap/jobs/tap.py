@@ -187,9 +187,10 @@ def run_facts(engine: str, model: str, prompts: list[str], *, batch_size: int,
 def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
                dtype: str = "float32", device: str = "cpu",
-               compile: bool = False) -> list[list[int]]:
+               compile: bool = False, mode: str = "eager") -> list[list[int]]:
     """Generate ``prompts`` in batches of ``batch_size`` on an armed built-in engine on
-    ``device`` (``compile``: its decoder stack torch.compiled), writing the tap files to
+    ``device`` (``compile``: its decoder stack torch.compiled; ``mode``: HFEngine's),
+    writing the tap files to
     ``out``; returns the output tokens in prompt order.
 
     Raises:
@@ -205,7 +206,7 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
                             max_new_tokens=max_new_tokens, dtype=dtype, device=device),
            **(tap or {})}
     kwargs = {"dtype": getattr(torch, dtype), "device": device, "prefix_cache_size": 0,
-              "arm": tap_config(out, tap), "compile": compile}
+              "arm": tap_config(out, tap), "compile": compile, "mode": mode}
     try:
         engine = (HFEngine.from_builtin(model.partition(":")[2], **kwargs)
                   if model.startswith("builtin:") else HFEngine(model, **kwargs))

@@ -1,8 +1,12 @@
-"""Checkpoints that torch.compile traces: a registered op hashing tapped rows in the graph.
+"""Checkpoints that torch.compile traces and CUDA graphs replay: registered ops hashing
+tapped rows on the device.
 
 Under torch.compile the tap's class-level wrappers (wrapt) are not traced into the graph:
-dynamo inlines a submodule's original ``forward`` past them. A compiled engine is
-therefore tapped through module hooks, which dynamo does trace, each calling
+dynamo inlines a submodule's original ``forward`` past them, and where that forward is
+itself a closure (transformers' MoE experts) dynamo's guard on the wrapper's closure
+fails on the frame that made it. While this tap is attached, the tap's class patches of
+the model's sublayer classes are therefore taken off (put back at :meth:`detach`), and
+the model is tapped through module hooks, which dynamo does trace, each calling
 ``enginetap::tap_hash_rows``: a custom op (its write into the tap buffer declared, so
 the compiler keeps it in place and in order) that hashes the tapped rows of the
 sublayer output into its checkpoint's slot of a per-step buffer ``[slots, rows + 1]``
@@ -11,25 +15,49 @@ sublayer output into its checkpoint's slot of a per-step buffer ``[slots, rows +
 eager path, so records of eager and compiled runs diff against each other; step end
 brings the buffer to the host once.
 
+Under CUDA graphs (the built-in engine's ``mode="graphs"``) the same hooks call
+``enginetap::tap_hash_rows_fixed`` instead: the padded row count is a constant of the
+captured shape and the tapped rows' index tensor is one static tensor per captured batch
+size (:meth:`CompiledTap.capturing`), refilled in place before each replay, so a replay
+does no host work per checkpoint. On CUDA the gather and hash are one Triton launch
+(:mod:`enginetap.tap.rowhash`). Index entries past the step's tapped rows repeat its
+first row and are never read back: padding rows are never recorded.
+
 Kernel-level points (KV rows, recurrent state around the step) are read by the eager
-wrappers from the engine's cache objects: they are not placed under compile, and the
+wrappers from the engine's cache objects: they are not placed in these modes, and the
 header says which (``not_placed``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from enginetap.tap.fingerprint import _weights_from, _words, token_rows
 from enginetap.tap.points import CheckpointNames, _hidden
 from enginetap.tap.recorder import TapRecorder, outputs_of
+from enginetap.tap.rowhash import fused_hash
 
-__all__ = ["CompiledTap", "tap_hash_rows"]
+if TYPE_CHECKING:
+    from enginetap.tap.arming import TapInstall
+
+__all__ = ["CompiledTap", "tap_hash_rows", "tap_hash_rows_fixed"]
 
 logger = logging.getLogger("enginetap.tap")
+
+
+def _hash_into(buffer: torch.Tensor, rows: torch.Tensor | None, index: torch.Tensor,
+               slot: int) -> None:
+    """Hash ``rows[index]`` into ``buffer[slot]`` and flag the slot written."""
+    if rows is None or fused_hash(buffer, rows, index, slot):
+        return
+    picked = rows.index_select(0, index.to(rows.device))
+    words = _words(picked.contiguous())
+    hashes = (words * _weights_from(0, words.shape[1], words.device)).sum(dim=1)
+    buffer[slot, :hashes.shape[0]] = hashes.to(buffer.device)
+    buffer[slot, -1] = 1
 
 
 @torch.library.custom_op("enginetap::tap_hash_rows", mutates_args=("buffer",))
@@ -40,15 +68,7 @@ def tap_hash_rows(buffer: torch.Tensor, tensor: torch.Tensor, index: torch.Tenso
     leading dims are not the step's token rows writes nothing (its flag stays 0)."""
     if slot >= buffer.shape[0] or index.numel() < 2:
         return
-    padded = int(index[0])
-    rows = token_rows(tensor.detach(), padded)
-    if rows is None:
-        return
-    picked = rows.index_select(0, index[1:].to(rows.device))
-    words = _words(picked.contiguous())
-    hashes = (words * _weights_from(0, words.shape[1], words.device)).sum(dim=1)
-    buffer[slot, :hashes.shape[0]] = hashes.to(buffer.device)
-    buffer[slot, -1] = 1
+    _hash_into(buffer, token_rows(tensor.detach(), int(index[0])), index[1:], slot)
 
 
 @tap_hash_rows.register_fake
@@ -57,24 +77,47 @@ def _tap_hash_rows_fake(buffer: torch.Tensor, tensor: torch.Tensor, index: torch
     return None
 
 
+@torch.library.custom_op("enginetap::tap_hash_rows_fixed", mutates_args=("buffer",))
+def tap_hash_rows_fixed(buffer: torch.Tensor, tensor: torch.Tensor, index: torch.Tensor,
+                        slot: int, padded: int) -> None:
+    """:func:`tap_hash_rows` for a shape fixed when captured: ``padded`` token rows,
+    ``index`` only the tapped rows' token indices (no host read: graph-capturable)."""
+    if slot >= buffer.shape[0] or index.numel() < 1:
+        return
+    _hash_into(buffer, token_rows(tensor.detach(), padded), index, slot)
+
+
+@tap_hash_rows_fixed.register_fake
+def _tap_hash_rows_fixed_fake(buffer: torch.Tensor, tensor: torch.Tensor,
+                              index: torch.Tensor, slot: int, padded: int) -> None:
+    return None
+
+
 class CompiledTap:
-    """The compiled engine's checkpoints: module hooks calling :func:`tap_hash_rows`,
-    one slot per checkpoint name (assigned when first traced, in execution order).
+    """The compiled (or graph-captured) engine's checkpoints: module hooks calling the
+    ops above, one slot per checkpoint name (assigned when first traced or run, in
+    execution order). ``mode``: ``"torch.compile"`` or ``"cuda graphs"``.
 
-    While attached, the model's modules are taken out of the eager wrappers' names (they
-    pass through: no checkpoint is recorded twice, none refused at trace time)."""
+    While attached, the model's modules are taken out of the eager wrappers' names and
+    the tap's patches on their classes are off (no checkpoint is recorded twice, none
+    refused at trace time, no wrapper for dynamo to guard on)."""
 
-    def __init__(self, recorder: TapRecorder, names: CheckpointNames, model: Any,
-                 targets: set[str], device: torch.device) -> None:
-        self.recorder = recorder
-        options = recorder.options
+    def __init__(self, installed: TapInstall, model: Any, device: torch.device,
+                 mode: str = "torch.compile") -> None:
+        self.recorder: TapRecorder = installed.recorder
+        self.mode = mode
+        self._installed = installed
+        options = self.recorder.options
         self.modules: list[tuple[Any, tuple]] = []
         self.not_placed: list[str] = []
+        self._classes: set[str] = set()
         for module in model.modules():
-            entry = names.entry(module)
+            entry = installed.names.entry(module)
             cls = type(module)
-            if entry is None or f"{cls.__module__}:{cls.__qualname__}.forward" not in targets:
+            target = f"{cls.__module__}:{cls.__qualname__}.forward"
+            if entry is None or target not in installed.targets:
                 continue
+            self._classes.add(target)
             base, _, _, kind, is_layer = entry
             if options.depth == "layers" and not is_layer:
                 continue
@@ -88,13 +131,28 @@ class CompiledTap:
         self.buffer = torch.zeros((capacity, options.max_rows + 1), dtype=torch.int64,
                                   device=device)
         self.index = torch.zeros(2, dtype=torch.int64, device=device)
+        self.padded = 0
+        """The step's padded token rows (the fixed op's; a captured shape's at capture)."""
+        self.static: dict[int, torch.Tensor] = {}
+        """By captured padded row count: the tapped rows' index tensor its graph reads."""
         self.slots: dict[str, int] = {}
         self.order: list[str] = []
         self._handles: list[Any] = []
-        self._names = names
+        self._names = installed.names
         self._taken: dict[int, Any] = {}
+        self._off: list[str] = []
+        self.alias: dict[int, int] = {}
+        """Graphs mode: slot -> the slot whose hashes it repeats (see :meth:`_hash`)."""
+        self._last: tuple[Any, int] = (None, -1)
 
-    def attach(self) -> CompiledTap:
+    def header(self) -> dict[str, Any]:
+        """What the tap file's header says of this mode."""
+        return {"compiled": self.mode, "cuda_graphs": self.mode == "cuda graphs",
+                "eager": False, "not_placed": self.not_placed}
+
+    def attach(self, head: Any = None) -> CompiledTap:
+        """Hook the modules; ``head`` (graphs: the LM head, run eagerly after a replay)
+        gets a hook recording the sampler's logits of replayed steps."""
         options = self.recorder.options
         for module, entry in self.modules:
             _, name_in, name_out, _, is_layer = entry
@@ -105,8 +163,19 @@ class CompiledTap:
                 self._handles.append(module.register_forward_hook(self._hook(entry[0])))
             key = id(module)
             self._taken[key] = self._names._names.pop(key, None)
+        if head is not None:
+            self._handles.append(head.register_forward_hook(self._head_hook))
+        self._take_patches_off()
         self.recorder.compiled = self
         return self
+
+    def _take_patches_off(self) -> None:
+        patches = self._installed.patches.patches
+        off = [p for p in patches if str(p.target) in self._classes]
+        for patch in off:
+            patch.uninstall()
+            patches.remove(patch)
+        self._off = [str(p.target) for p in off]
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -116,6 +185,13 @@ class CompiledTap:
             if entry is not None:
                 self._names._names[key] = entry
         self._taken.clear()
+        installed = self._installed
+        if self._off and any(p.installed for p in installed.patches.patches):
+            from enginetap.tap.points import sublayer_wrapper  # the tap is still on
+
+            installed.patches.install_more(
+                (t, sublayer_wrapper(self.recorder, self._names)) for t in self._off)
+        self._off = []
         if self.recorder.compiled is self:
             self.recorder.compiled = None
 
@@ -125,43 +201,94 @@ class CompiledTap:
             slot = self.slots[name] = len(self.order)
             self.order.append(name)
             if slot >= self.buffer.shape[0]:
-                logger.warning("tap: %s not placed under torch.compile (more checkpoints "
-                               "than the buffer's %d slots)", name, self.buffer.shape[0])
+                logger.warning("tap: %s not placed under %s (more checkpoints than the "
+                               "buffer's %d slots)", name, self.mode, self.buffer.shape[0])
         return slot
+
+    def _hash(self, tensor: torch.Tensor, name: str) -> None:
+        if self.mode == "torch.compile":
+            torch.ops.enginetap.tap_hash_rows(self.buffer, tensor, self.index, self._slot(name))
+            return
+        if not self.padded:
+            return
+        slot = self._slot(name)
+        if tensor is self._last[0]:
+            # The very tensor the last checkpoint hashed, nothing run in between (a
+            # layer's output is the next layer's input): its hashes are copied at collect.
+            self.alias[slot] = self._last[1]
+            return
+        self.alias.pop(slot, None)
+        torch.ops.enginetap.tap_hash_rows_fixed(self.buffer, tensor, self.index, slot,
+                                                self.padded)
+        self._last = (tensor, slot)
 
     def _pre_hook(self, name: str) -> Any:
         def tap_input(module: Any, args: tuple, kwargs: dict) -> None:
             hidden = _hidden(args, kwargs)
             if isinstance(hidden, torch.Tensor):
-                torch.ops.enginetap.tap_hash_rows(self.buffer, hidden, self.index,
-                                                  self._slot(name))
+                self._hash(hidden, name)
         return tap_input
 
     def _hook(self, base: str) -> Any:
         def tap_output(module: Any, args: tuple, out: Any) -> None:
             for suffix, tensor in outputs_of(out):
                 if isinstance(tensor, torch.Tensor):
-                    torch.ops.enginetap.tap_hash_rows(self.buffer, tensor, self.index,
-                                                      self._slot(f"{base}.{suffix}"))
+                    self._hash(tensor, f"{base}.{suffix}")
         return tap_output
 
-    # -- per step (the recorder calls these) -----------------------------------------
+    def _head_hook(self, module: Any, args: tuple, out: Any) -> None:
+        step = self.recorder.step
+        if step is not None and step.extra.get("cuda_graph") and isinstance(out, torch.Tensor):
+            rows = self.index[:len(self.recorder.rows)]
+            self.recorder.note_logits(out[:, -1, :].index_select(0, rows))
+
+    # -- per step (the recorder and the graph runner call these) -----------------------
+
+    def capturing(self, padded: int | None) -> None:
+        """A CUDA graph of ``padded`` token rows is about to be captured (None: capture
+        over): its hooks read that shape's static index tensor."""
+        self._last = (None, -1)
+        if padded is None:
+            self.padded = 0
+            return
+        size = min(padded, self.recorder.options.max_rows)
+        index = self.static.get(padded)
+        if index is None:
+            index = self.static[padded] = torch.zeros(size, dtype=torch.int64,
+                                                      device=self.buffer.device)
+        self.index, self.padded = index, padded
 
     def begin(self, padded: int, index: torch.Tensor) -> None:
         """Before the forward: the step's tapped rows, and every slot unwritten. The
         index tensor is refilled in place where its size allows (the compiled graph
-        reads it as an input)."""
-        values = torch.cat([torch.tensor([padded], dtype=torch.int64),
-                            index.to("cpu", torch.int64)])
+        reads it as an input; a captured graph, the static tensor of its shape)."""
+        self.buffer.zero_()  # flags unwritten; the fused kernel adds into its slots
+        self._last = (None, -1)
+        static = self.static.get(padded) if self.mode == "cuda graphs" else None
+        if static is not None:
+            rows = index.to(torch.int64)[:static.numel()]
+            filler = rows[:1].expand(static.numel() - rows.numel())
+            static.copy_(torch.cat([rows, filler]), non_blocking=True)
+            self.index, self.padded = static, padded
+            return
+        values = index.to("cpu", torch.int64)
+        self.padded = padded
+        if self.mode != "torch.compile":  # an eager step of the graphs mode: a fresh one
+            self.index = values.to(self.buffer.device)
+            return
+        values = torch.cat([torch.tensor([padded], dtype=torch.int64), values])
         if self.index.numel() == values.numel():
             self.index.copy_(values)
         else:
             self.index = values.to(self.buffer.device)
-        self.buffer[:, -1] = 0
 
     def collect(self, k: int) -> tuple[list[str], torch.Tensor]:
         """After the forward: the names written this step in execution order, and their
         ``[names, k]`` hashes on the host."""
         host = self.buffer[:len(self.order)].cpu()
-        written = [i for i in range(min(len(self.order), host.shape[0])) if host[i, -1]]
-        return [self.order[i] for i in written], host[written, :k].contiguous()
+        if self.alias:  # (index tensors: indexing by a list of ints costs milliseconds)
+            host.index_copy_(0, torch.tensor(list(self.alias)),
+                             host.index_select(0, torch.tensor(list(self.alias.values()))))
+        written = host[:, -1].nonzero().flatten()
+        return ([self.order[i] for i in written.tolist()],
+                host.index_select(0, written)[:, :k].contiguous())

@@ -31,6 +31,7 @@ from enginetap.errors import ConfigError
 __all__ = ["HFEngine"]
 
 ENGINE = "transformers"
+MODES = ("eager", "compile", "graphs")
 
 
 def _load(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -64,26 +65,31 @@ class HFEngine:
     process's ``ENGINETAP_*`` arming by default; see :mod:`enginetap.engines.hf.arming`).
     ``compile=True`` (or a torch.compile backend's name) compiles its decoder stack; an
     armed tap then records inside the graph (docs/tap.md, *Under torch.compile*).
+    ``mode="graphs"`` (CUDA only) decodes by replaying CUDA graphs over a static KV
+    cache (:mod:`enginetap.engines.hf.graphs`); ``mode="compile"`` is ``compile=True``.
 
     Raises:
         ConfigError: ``model_dir`` holds no loadable transformers model, or the arming
-            config is invalid or conflicts with the process's arming.
+            config is invalid or conflicts with the process's arming, or ``mode`` is
+            unknown, or graphs mode is asked for off CUDA or for a recurrent model.
     """
 
     def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.bfloat16, prefix_cache_size: int = 16,
-                 arm: ArmConfig | None = None, compile: bool | str = False) -> None:
+                 arm: ArmConfig | None = None, compile: bool | str = False,
+                 mode: str = "eager") -> None:
         # Arm before the model is built (patches on layer classes must precede it):
         # ``arm`` or, by default, the process's ENGINETAP_* arming.
         self.arming = arm_process(arm)
         self.model_dir = Path(model_dir)
         model, tokenizer = _load(self.model_dir, torch.device(device), dtype)
         self._setup(model, tokenizer, prefix_cache_size)
-        self._maybe_compile(compile)
+        self._set_mode(mode, compile)
 
     @classmethod
     def from_loaded(cls, model: Any, tokenizer: Any = None, *, prefix_cache_size: int = 16,
-                    arm: ArmConfig | None = None, compile: bool | str = False) -> HFEngine:
+                    arm: ArmConfig | None = None, compile: bool | str = False,
+                    mode: str = "eager") -> HFEngine:
         """An engine over a transformers causal LM already in memory (benchmarks build
         real-width random-weight models on the device this way). Arming happens here,
         after the model was built: capabilities patch classes, so that is equivalent.
@@ -95,7 +101,7 @@ class HFEngine:
         engine.arming = arm_process(arm)
         engine.model_dir = Path(str(getattr(model.config, "_name_or_path", "") or "."))
         engine._setup(model.eval(), tokenizer, prefix_cache_size)
-        engine._maybe_compile(compile)
+        engine._set_mode(mode, compile)
         return engine
 
     def _setup(self, model: Any, tokenizer: Any, prefix_cache_size: int) -> None:
@@ -113,10 +119,43 @@ class HFEngine:
         self._reusable: bool | None = None  # known after the first prefill shows the cache
         self._steps = 0
 
-    def _maybe_compile(self, compile: bool | str) -> None:
+    def _set_mode(self, mode: str, compile: bool | str) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"unknown engine mode {mode!r}", f"modes are {', '.join(MODES)}",
+                              "pass mode='eager', 'compile' or 'graphs'")
+        if mode == "compile" and not compile:
+            compile = True
+        self.mode = "compile" if compile else mode
         self.compiled = compile
+        self._graphs: Any = None
         if compile:
             self._compile("inductor" if compile is True else compile)
+        elif mode == "graphs":
+            self._use_graphs()
+
+    def _use_graphs(self) -> None:
+        """Decode by CUDA-graph replay (:mod:`enginetap.engines.hf.graphs`); an armed tap
+        hashes its checkpoints inside the graphs (:mod:`enginetap.tap.compiled`)."""
+        from enginetap.engines.hf.graphs import GraphDecoder
+
+        if self.device.type != "cuda":
+            raise ConfigError("graphs mode needs a CUDA device", f"the model is on "
+                              f"{self.device}", "pass device='cuda', or mode='eager'")
+        tap = self._compiled_tap("cuda graphs", self.model.get_output_embeddings())
+        self._graphs = GraphDecoder(self.model, tap.capturing if tap is not None else None)
+        self._reusable = False  # a static cache: no prefix reuse
+
+    def _compiled_tap(self, how: str, head: Any = None) -> Any:
+        """An armed tap's checkpoints moved into the compiled or captured decoder stack."""
+        if self.arming is None:
+            return None
+        from enginetap.tap.arming import TapInstall
+        from enginetap.tap.compiled import CompiledTap
+
+        for installed in self.arming.installed:
+            if isinstance(installed, TapInstall):
+                return CompiledTap(installed, self.model.model, self.device, how).attach(head)
+        return None
 
     def _compile(self, backend: str) -> None:
         """torch.compile the decoder stack's forward (the model's ``model``: embeddings,
@@ -129,14 +168,7 @@ class HFEngine:
         if not isinstance(decoder, torch.nn.Module):
             raise ConfigError("cannot compile", f"{type(self.model).__name__} has no "
                               "decoder stack at .model", "run it with compile=False")
-        if self.arming is not None:
-            from enginetap.tap.arming import TapInstall
-            from enginetap.tap.compiled import CompiledTap
-
-            for installed in self.arming.installed:
-                if isinstance(installed, TapInstall):
-                    CompiledTap(installed.recorder, installed.names, decoder,
-                                installed.targets, self.device).attach()
+        self._compiled_tap("torch.compile")
         decoder.compile(backend=backend, dynamic=True)
 
     @classmethod
@@ -195,6 +227,8 @@ class HFEngine:
             s.request.max_new_tokens for s in seqs)
         plan = plan_prefill(seqs, self.pad_id, capacity, self.recurrent, self.device)
         past = self._assemble_prefix(seqs, reused) if reused else None
+        if self._graphs is not None:
+            past = self._graphs.cache_for(len(seqs), capacity)
         alive, mask, cache = self._step("prefill", plan, past, seqs, reused)
         while alive:
             plan = plan_decode(alive, mask, capacity, self.recurrent)
@@ -204,30 +238,43 @@ class HFEngine:
               reused: int) -> tuple[list[Sequence], torch.Tensor, Any]:
         """One published step: the forward, then sampling (the step ends after it)."""
         columns = plan.input_ids.shape[1]
+        padded, extra = plan.input_ids.numel(), {"input_shape": list(plan.input_ids.shape)}
+        if self._graphs is not None and mode == "decode":
+            padded = self._graphs.load(plan.input_ids, plan.attention_mask,
+                                       plan.position_ids, self.pad_id)
+            extra["cuda_graph"] = padded  # its padding rows run, never as requests
+            self._graphs.ready(padded)
         valid = ready = None
         if self.arming is not None:  # valid lengths cost a read of the mask: armed only
             valid = read_valid_lengths(plan.attention_mask, columns)
             if valid.is_pinned():
                 ready = torch.cuda.Event()
                 ready.record()
-        step = Step(ENGINE, self._steps, mode, plan.rows,
-                    padded_tokens=plan.input_ids.numel(),
-                    extra={"input_shape": list(plan.input_ids.shape)})
+        step = Step(ENGINE, self._steps, mode, plan.rows, padded_tokens=padded, extra=extra)
         with publish(step):
-            out = self.model(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
-                             position_ids=plan.position_ids, past_key_values=past,
-                             use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            logits, cache = self._forward(plan, past, extra.get("cuda_graph"))
             if mode == "prefill":
                 self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
             if self.device.type == "cuda":  # sampling blocks for the forward: listeners'
                 device_wait()              # host work (last step's records) overlaps it
-            alive, mask = self._advance(seqs, out.logits[:, -1, :], cache, plan.attention_mask)
+            alive, mask = self._advance(seqs, logits[:, -1, :], cache, plan.attention_mask)
             step.sampled = {s.request.request_id: s.output[-1] for s in seqs}
             if valid is not None:  # sampling waited for the device: the copy is done
                 fill_valid_lengths(plan.rows, valid, columns, ready)
         self._steps += 1
         return alive, mask, cache
+
+    def _forward(self, plan: Plan, past: Any, graph: int | None) -> tuple[torch.Tensor, Any]:
+        """The step's forward: last-column logits ``[batch, 1, V]`` and the cache."""
+        if graph is not None:
+            return self._graphs.decode(graph, plan.input_ids.shape[0])
+        if self._graphs is not None:
+            return self._graphs.prefill(plan.input_ids, plan.attention_mask,
+                                        plan.position_ids)
+        out = self.model(input_ids=plan.input_ids, attention_mask=plan.attention_mask,
+                         position_ids=plan.position_ids, past_key_values=past,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits, out.past_key_values
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor, cache: Any,
                  mask: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:

@@ -81,6 +81,9 @@ def summary(analysis: Analysis) -> list[str]:
     lines = [f"tap run: engine {h.get('engine')} ({h.get('engine_version')}), "
              f"{h.get('world_size')} rank(s), models "
              f"{', '.join(str(m.get('model_type')) for m in h.get('models', []))}"]
+    if h.get("not_placed"):  # compiled / CUDA-graph runs (tap/compiled.py)
+        lines.append(f"not placed under {h.get('compiled')} (not recorded in this mode): "
+                     f"{', '.join(h['not_placed'])}")
     if len(analysis.ranks) > 1:
         lines.append(f"cross-rank: {len(analysis.cross_rank)} replicated checkpoint(s) differ "
                      "between ranks")

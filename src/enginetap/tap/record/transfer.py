@@ -169,9 +169,8 @@ class Transfer:
             cuda_graphs=capturing(), eager=not capturing(),
             torch=torch.__version__, host=platform.node(),
         )
-        if self.compiled is not None:
-            header["compiled"] = "torch.compile"
-            header["not_placed"] = self.compiled.not_placed
+        if self.compiled is not None:  # compiled / CUDA-graph tap (tap/compiled.py)
+            header.update(self.compiled.header())
         self.sink.submit(lambda: header, -1)
         if step.extra.get("compiled"):
             logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "
