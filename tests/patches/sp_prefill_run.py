@@ -5,73 +5,51 @@ environment the test gives.
 together and run to completion one after the other, so every prefill chunk has a known
 row count: 64 (two requests in one chunk), 96, 20 (below the tests' min_rows of 32),
 33 (odd: not divisible by TP 2), then 64 and 96 again (shapes already proven). Greedy,
-four tokens each, with the sampled token's logprob. vLLM's spawned processes re-import
-``__main__``, hence the guard.
+four tokens each, with the sampled token's logprob (:mod:`vllm_child`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/: vllm_child
+
+from vllm_child import add, arguments, child_main, finish, make_llm, paged_block_size, write_json  # noqa: E402
 
 GROUPS = [{"a": 40, "b": 24}, {"c": 96}, {"d": 20}, {"e": 33}, {"f": 64}, {"g": 96}]
 MAX_TOKENS = 4
 
 
 def prompts(vocab: int = 512, seed: int = 3) -> list[dict[str, list[int]]]:
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # one generator across the groups
     return [{name: [rng.randrange(3, vocab) for _ in range(n)] for name, n in group.items()}
             for group in GROUPS]
 
 
-def make_llm(model: str, tp: int):
-    from pathlib import Path
-
-    import torch
-    from vllm import LLM
-
-    # CPU attention (and AMX MLA) page in multiples of 32 tokens; CPU MLA without AMX in 16.
-    mla = "kv_lora_rank" in json.loads((Path(model) / "config.json").read_text())
-    block_size = 16 if mla and not torch.cpu._is_amx_tile_supported() else 32
-    return LLM(model=model, tensor_parallel_size=tp, block_size=block_size,
-               gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=256,
-               max_num_batched_tokens=128, max_num_seqs=8, enable_prefix_caching=False,
-               seed=0)
+def _result(out) -> dict:
+    result = out.outputs[0]
+    return {"tokens": list(result.token_ids),
+            "logprobs": [lp[t].logprob for t, lp in zip(result.token_ids, result.logprobs)]}
 
 
 def run(engine, groups: list[dict[str, list[int]]]) -> dict[str, dict]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                            logprobs=0)
     done: dict[str, dict] = {}
     for group in groups:
         for name, ids in group.items():
-            engine.add_request(name, {"prompt_token_ids": ids}, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    result = out.outputs[0]
-                    done[out.request_id] = {
-                        "tokens": list(result.token_ids),
-                        "logprobs": [lp[t].logprob for t, lp in
-                                     zip(result.token_ids, result.logprobs)]}
+            add(engine, name, ids, MAX_TOKENS, logprobs=0)
+        finish(engine, done, _result)
     return done
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("out")
-    parser.add_argument("--tp", type=int, default=2)
-    args = parser.parse_args()
-    engine = make_llm(args.model, args.tp).llm_engine
-    with open(args.out, "w") as f:
-        json.dump({"requests": run(engine, prompts())}, f)
+    args = arguments(tp=2).parse_args()
+    engine = make_llm(args.model, args.tp, block_size=paged_block_size(args.model),
+                      max_model_len=256, max_num_batched_tokens=128,
+                      enable_prefix_caching=False).llm_engine
+    write_json(args.out, {"requests": run(engine, prompts())})
 
 
 if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    main()
+    child_main(main)

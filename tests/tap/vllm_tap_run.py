@@ -17,16 +17,19 @@ one after the other in one engine (prefix caching off: identical prompts are com
 With ``--compiled`` the engine compiles the model (not ``enforce_eager``) and runs ``same``.
 
 The injections live here, in test code, never in enginetap. vLLM's spawned processes
-re-import ``__main__``, hence the guard.
+re-import ``__main__``, hence the guard (:mod:`vllm_child`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
+import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/: vllm_child
+
+from vllm_child import add, arguments, child_main, finish, make_llm, write_json  # noqa: E402
 
 ROW_LAYER, ROW_STEP = "L1.moe", 2
 KV_LAYER, STATE_LAYER, KV_STEP = 3, 1, 2
@@ -112,40 +115,27 @@ def install_faults() -> Any:
     return faults.install()
 
 
-def make_llm(model: str, tp: int, compiled: bool = False):
-    from vllm import LLM
-
-    return LLM(model=model, tensor_parallel_size=tp, gpu_memory_utilization=0.25,
-               enforce_eager=not compiled, max_model_len=256, max_num_batched_tokens=256,
-               max_num_seqs=8, enable_prefix_caching=False, seed=0)
-
-
 def run_phase(engine: Any, name: str, texts: dict[str, list[int]], suffix: str = "") -> dict:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for key in PHASES[name]:
-        engine.add_request(key + suffix, {"prompt_token_ids": texts[key]}, params)
+        add(engine, key + suffix, texts[key], MAX_TOKENS)
     FAULTS["phase"], FAULTS["step"], done = name, 0, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        FAULTS["step"] += 1
+    finish(engine, done, lambda out: list(out.outputs[0].token_ids), after_step=_count_step)
     FAULTS["phase"] = None
     return done
 
 
+def _count_step() -> None:
+    FAULTS["step"] += 1
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("out")
-    parser.add_argument("--tp", type=int, default=1)
+    parser = arguments()
     parser.add_argument("--faults", action="store_true")
     parser.add_argument("--compiled", action="store_true")
     args = parser.parse_args()
     faults = install_faults() if args.faults else None
-    engine = make_llm(args.model, args.tp, args.compiled).llm_engine
+    engine = make_llm(args.model, args.tp, enforce_eager=not args.compiled, max_model_len=256,
+                      max_num_batched_tokens=256, enable_prefix_caching=False).llm_engine
     texts = prompts()
     report: dict[str, Any] = {"same": run_phase(engine, "same", texts)}
     if faults is not None:
@@ -156,10 +146,8 @@ def main() -> None:
 
         disarm_worker()
         report["again"] = run_phase(engine, "same", texts, suffix="-again")
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    main()
+    child_main(main)

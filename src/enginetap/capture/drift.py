@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from enginetap.capture.probe import Probe
@@ -13,7 +14,7 @@ from enginetap.guard.lock import Drift, GuardLock, diff_lock
 
 logger = logging.getLogger("enginetap.capture")
 
-__all__ = ["ProbeGroups", "checked_groups"]
+__all__ = ["ProbeGroups", "ProbeLock", "checked_groups"]
 
 ProbeGroups = Sequence[tuple[Sequence[Probe], Sequence[str]]]
 """Per group: its probes and the ``module:qualname`` targets they rely on."""
@@ -54,3 +55,25 @@ def _log_refused(names: str, reason: str, lock_file: Path, engine: str) -> None:
                  "on without them. Fix: review the probes against this %s and re-pin the "
                  "lock ('enginetap guard pin ... -o %s'), or install the %s it was made for",
                  names, engine, lock_file.name, reason, engine, engine, lock_file, engine)
+
+
+@dataclass(frozen=True)
+class ProbeLock:
+    """One engine's capture drift lock: its probe groups, the targets they pin, the lock
+    file shipped with the engine's probes (``engine``: its name in the log)."""
+
+    engine: str
+    groups: ProbeGroups
+    targets: Sequence[str]
+    file: Path
+
+    def checked_probes(self, lock: GuardLock | Path | None = None
+                       ) -> tuple[list[Probe], dict[str, str]]:
+        """The probes whose sources match ``lock`` (default: the shipped one), and each
+        refused probe with its reason. A lock that cannot be read refuses every probe."""
+        return checked_groups(self.groups, self.file if lock is None else lock, self.file,
+                              self.engine)
+
+    def print_targets(self) -> None:
+        """The targets to pin, one per line (what ``guard pin`` takes)."""
+        print("\n".join(self.targets))

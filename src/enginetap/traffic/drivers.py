@@ -21,7 +21,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -30,8 +30,8 @@ from enginetap.core import context
 from enginetap.errors import TrafficError
 from enginetap.traffic.prompts import PromptBuilder
 
-__all__ = ["BuiltinDriver", "Driver", "HTTPDriver", "Outcome", "Role", "Submission",
-           "VLLMDriver"]
+__all__ = ["BuiltinDriver", "Driver", "HTTPDriver", "Outcome", "Role", "ServerDriver",
+           "Submission", "VLLMDriver"]
 
 Role = Literal["request", "predecessor", "member", "arrival"]
 
@@ -165,7 +165,80 @@ class VLLMDriver:
         return [done[s.key] for s in batch]
 
 
-class HTTPDriver:
+class ServerDriver:
+    """What the drivers of a running HTTP server share: prompts built with its tokenizer
+    (or vocabulary size), JSON POSTs, a batch posted from a thread pool (one request per
+    submission, :meth:`_one`) and a cache reset retried while the server refuses it
+    (:meth:`_reset_once`). ``url``: the server's base URL; ``timeout``: seconds per request.
+    """
+
+    name = "http"
+    server = "server"
+    """The server in errors ("check that the <server> is running")."""
+    http_fix = "check the server log"
+    reset_failure = "the server did not reset its prefix cache"
+
+    def __init__(self, url: str, *, tokenizer: Any = None, vocab_size: int | None = None,
+                 timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
+
+    def prompts(self, seed: int) -> PromptBuilder:
+        return PromptBuilder(seed, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+
+    def _post(self, path: str, payload: Mapping[str, Any] | None,
+              headers: Mapping[str, str] | None = None) -> Any:
+        """POST ``payload`` as JSON (None: an empty body); the decoded JSON reply (its text
+        when it is not JSON).
+
+        Raises:
+            TrafficError: the server answered an HTTP error or could not be reached.
+        """
+        body = b"" if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(
+            f"{self.url}{path}", body, method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                text = reply.read()
+        except urllib.error.HTTPError as exc:
+            raise TrafficError(f"POST {self.url}{path} failed with HTTP {exc.code}",
+                               exc.read().decode(errors="replace")[:500],
+                               self.http_fix) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise TrafficError(f"POST {self.url}{path} failed", str(exc),
+                               f"check that the {self.server} is running") from None
+        try:
+            return json.loads(text or b"null")
+        except ValueError:
+            return text.decode(errors="replace")
+
+    def reset_prefix_cache(self, attempts: int = 20) -> None:
+        """Empty the server's prefix cache, retried while running requests hold it.
+
+        Raises:
+            TrafficError: the server still refused after ``attempts`` tries.
+        """
+        for _ in range(attempts):
+            if self._reset_once():
+                return
+            time.sleep(0.25)
+        raise TrafficError(self.reset_failure, f"it refused {attempts} times",
+                           "let running requests finish")
+
+    def _reset_once(self) -> bool:
+        """One reset request; whether the server did it."""
+        raise NotImplementedError
+
+    def _one(self, s: Submission) -> Outcome:
+        raise NotImplementedError
+
+    def submit(self, batch: Sequence[Submission]) -> list[Outcome]:
+        with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
+            return list(pool.map(self._one, batch))
+
+
+class HTTPDriver(ServerDriver):
     """A running ``vllm serve`` at ``url`` (needs ``VLLM_SERVER_DEV_MODE=1`` to reset).
 
     Args:
@@ -177,12 +250,14 @@ class HTTPDriver:
     """
 
     name = "vllm-http"
+    http_fix = "check the server log; /reset_prefix_cache needs VLLM_SERVER_DEV_MODE=1"
+    reset_failure = "vLLM did not reset its prefix cache"
 
     def __init__(self, url: str, model: str, *, max_context: int | None = None,
                  tokenizer: Any = None, vocab_size: int | None = None,
                  timeout: float = 600.0) -> None:
-        self.url, self.model = url.rstrip("/"), model
-        self.tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
+        super().__init__(url, tokenizer=tokenizer, vocab_size=vocab_size, timeout=timeout)
+        self.model = model
         self.max_context: int = max_context or self._served_max_len()
 
     @classmethod
@@ -205,46 +280,17 @@ class HTTPDriver:
                            f"it serves {[c.get('id') for c in models]}",
                            "pass the served model name, or max_context")
 
-    def prompts(self, seed: int) -> PromptBuilder:
-        return PromptBuilder(seed, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
-
-    def _post(self, path: str, payload: dict[str, Any], key: str | None = None) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["X-Request-Id"] = key
-        request = urllib.request.Request(f"{self.url}{path}", json.dumps(payload).encode(),
-                                         headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                return json.loads(reply.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            body = exc.read().decode(errors="replace")[:500]
-            raise TrafficError(f"POST {self.url}{path} failed with HTTP {exc.code}", body,
-                               "check the server log; /reset_prefix_cache needs "
-                               "VLLM_SERVER_DEV_MODE=1") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise TrafficError(f"POST {self.url}{path} failed", str(exc),
-                               "check that the server is running") from None
-
-    def reset_prefix_cache(self, attempts: int = 20) -> None:
-        for _ in range(attempts):
-            reply = self._post("/reset_prefix_cache", {})
-            if not isinstance(reply, dict) or reply.get("success", True):
-                return
-            time.sleep(0.25)  # blocks still held by requests finishing
-        raise TrafficError("vLLM did not reset its prefix cache",
-                           f"it refused {attempts} times", "let running requests finish")
+    def _reset_once(self) -> bool:
+        reply = self._post("/reset_prefix_cache", {})
+        return not isinstance(reply, dict) or bool(reply.get("success", True))
 
     def _one(self, s: Submission) -> Outcome:
         started = time.time()
         reply = self._post("/v1/completions", {
             "model": self.model, "prompt": s.prompt_ids, "max_tokens": s.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}, key=s.key)
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True},
+            headers={"X-Request-Id": s.key})
         choice = reply["choices"][0]
         details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
         return Outcome(s.key, list(choice.get("token_ids") or []), choice.get("finish_reason"),
                        started, time.time(), details.get("cached_tokens"))
-
-    def submit(self, batch: Sequence[Submission]) -> list[Outcome]:
-        with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
-            return list(pool.map(self._one, batch))

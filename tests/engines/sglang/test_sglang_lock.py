@@ -29,30 +29,28 @@ def _cpu_engine(monkeypatch):
 
 
 def test_the_shipped_lock_pins_every_target_and_matches_this_sglang():
-    from enginetap.engines.sglang.probes import LOCKED_TARGETS, PROBES
-    from enginetap.engines.sglang.probes.lock import LOCK_FILE, checked_probes
+    from enginetap.engines.sglang.probes import LOCK, LOCKED_TARGETS, PROBES
     from enginetap.engines.sglang.worker import SGLangHooks
     from enginetap.guard.lock import GuardLock
 
-    lock = GuardLock.load(LOCK_FILE)
+    lock = GuardLock.load(LOCK.file)
     assert {e.target for e in lock.entries} == set(LOCKED_TARGETS)
-    kept, refused = checked_probes()
+    kept, refused = LOCK.checked_probes()
     assert refused == {} and [p.name for p in kept] == [p.name for p in PROBES]
     assert SGLangHooks().engine_version() == "sglang 0.5.23"
 
 
 def test_a_drifted_sglang_function_refuses_its_probes_by_name(tmp_path: Path, caplog):
-    from enginetap.engines.sglang.probes import PROBES
-    from enginetap.engines.sglang.probes.lock import LOCK_FILE, checked_probes
+    from enginetap.engines.sglang.probes import LOCK, PROBES
 
-    data = json.loads(LOCK_FILE.read_text())
+    data = json.loads(LOCK.file.read_text())
     for entry in data["entries"]:
         if entry["target"] == GDN_EXTEND:
             entry["digest"] = "0" * 64
     drifted = tmp_path / "capture.lock"
     drifted.write_text(json.dumps(data))
     with caplog.at_level(logging.ERROR, logger="enginetap.capture"):
-        kept, refused = checked_probes(drifted)
+        kept, refused = LOCK.checked_probes(drifted)
     assert set(refused) == {"sglang.gdn.extend", "sglang.gdn.decode"}
     assert all(GDN_EXTEND in why for why in refused.values())
     assert {p.name for p in kept} == {p.name for p in PROBES} - set(refused)

@@ -25,17 +25,13 @@ pool index of its ``req_pool_indices`` entry).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
-from enginetap.core import context
-from enginetap.core.context import Step, StepRows, publish
-from enginetap.core.patching import PatchSet, bind_arguments
-
-logger = logging.getLogger("enginetap.sglang")
+from enginetap.core.context import Step, StepRows
+from enginetap.core.patching import bind_arguments
+from enginetap.engines.steps import RunnerState, StepAdapter
 
 RUNNER = "sglang.srt.model_executor.model_runner:ModelRunner"
 
@@ -50,61 +46,32 @@ def current_runner() -> Any:
     return _CURRENT[0]
 
 
-@dataclass(slots=True)
-class _RunnerState:
-    next_step: int = 0
-    active: publish | None = None
-    batch: Any = None
-    """The ForwardBatch of the active step (``sample`` of another batch does not end it)."""
-
-
 @dataclass
-class SGLangStepAdapter:
-    """Publishes one :class:`Step` per real step of every SGLang model runner here.
+class SGLangStepAdapter(StepAdapter, engine="SGLang", runner=RUNNER):
+    """Publishes one :class:`Step` per real step of every SGLang model runner here; the
+    state's ``batch`` is the step's ForwardBatch (``sample`` of another batch does not
+    end it)."""
 
-    If reading a step ever fails, the adapter logs it and calls ``on_failure`` (default:
-    its own :meth:`uninstall`)."""
-
-    rank: int = 0
-    world_size: int = 1
-    on_failure: Callable[[], None] | None = None
-    patches: PatchSet = field(init=False)
-    _states: WeakKeyDictionary = field(init=False, default_factory=WeakKeyDictionary)
-
-    def __post_init__(self) -> None:
-        self.patches = PatchSet("step")
-        self.patches.add(f"{RUNNER}.forward", self._on_forward)
-        self.patches.add(f"{RUNNER}.sample", self._on_sample)
-
-    def install(self) -> SGLangStepAdapter:
-        self.patches.install()
-        return self
-
-    def uninstall(self) -> None:
-        self.patches.uninstall()
-        for state in list(self._states.values()):
-            _abandon(state)
+    def wrappers(self) -> dict[str, Callable[..., Any]]:
+        return {"forward": self._on_forward, "sample": self._on_sample}
 
     def _on_forward(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
-        state = self._states.setdefault(runner, _RunnerState())
-        _abandon(state)  # the step before never sampled: not a real step
+        state = self._states.setdefault(runner, RunnerState())
+        self._abandon(state)  # the step before never sampled: not a real step
         batch = bind_arguments(wrapped, args, kwargs)["forward_batch"]
         if not batch.rids or batch.forward_mode.is_idle():
             return wrapped(*args, **kwargs)
-        try:
-            step = read_step(runner, batch, state.next_step, (self.rank, self.world_size))
-        except Exception:  # our reading failed, not the engine: disarm, let the step run
-            logger.exception("enginetap: reading SGLang's step failed; the step context "
-                             "disarms")
-            (self.on_failure or self.uninstall)()
+        step = self._read(lambda: read_step(runner, batch, state.next_step,
+                                            (self.rank, self.world_size)))
+        if step is None:
             return wrapped(*args, **kwargs)
-        state.active, state.batch = publish(step), batch
+        state.batch = batch
         _CURRENT[0] = runner
-        state.active.__enter__()
+        self._begin(state, step)
         try:
             return wrapped(*args, **kwargs)
         except BaseException:
-            _abandon(state)
+            self._abandon(state)
             raise
 
     def _on_sample(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -113,28 +80,18 @@ class SGLangStepAdapter:
             return wrapped(*args, **kwargs)
         if bind_arguments(wrapped, args, kwargs)["forward_batch"] is not state.batch:
             return wrapped(*args, **kwargs)
-        try:
-            tokens = wrapped(*args, **kwargs)
-        except BaseException:
-            _abandon(state)
-            raise
-        active, state.active, state.batch = state.active, None, None
+        return self._sample(state, wrapped, args, kwargs, _fill_sampled)
+
+    def _cleared(self, state: RunnerState) -> None:
+        state.batch = None
         _CURRENT[0] = None
-        state.next_step += 1
-        step = active.step
-        if tokens is not None and hasattr(tokens, "tolist"):
-            ids = step.extra.get("rids", [])
-            step.sampled = {rid: int(t) for rid, t in zip(ids, tokens.tolist())}
-        active.__exit__(None, None, None)
-        return tokens
 
 
-def _abandon(state: _RunnerState) -> None:
-    if state.active is None:
-        return
-    state.active, state.batch = None, None
-    _CURRENT[0] = None
-    context.abandon()
+def _fill_sampled(step: Step, tokens: Any) -> None:
+    """``step.sampled``: the token ``sample`` returned for each request, in batch order."""
+    if tokens is not None and hasattr(tokens, "tolist"):
+        ids = step.extra.get("rids", [])
+        step.sampled = {rid: int(t) for rid, t in zip(ids, tokens.tolist())}
 
 
 def _mode(batch: Any) -> str:

@@ -15,22 +15,17 @@ the profile's requests), ``POST /flush_cache`` between profiles.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from enginetap.config import ARMING_VARS
 from enginetap.engines.vllm.server import VLLMServer
 from enginetap.errors import EnginetapError, TrafficError
-from enginetap.traffic.drivers import Outcome, Submission
-from enginetap.traffic.prompts import PromptBuilder
+from enginetap.traffic.drivers import Outcome, ServerDriver, Submission
 
 __all__ = ["SGLangHTTPDriver", "SGLangServer"]
 
@@ -57,22 +52,16 @@ class SGLangServer(VLLMServer):
                     str(self.port), *self.args]
         return [sys.executable, "-m", "sglang.launch_server", *args]
 
-    def environment(self) -> dict[str, str]:
+    def _engine_environment(self) -> dict[str, str]:
         from enginetap.engines.sglang.launch import cpu_environment
 
         saved = dict(os.environ)
         try:
             cpu_environment()  # SGLANG_USE_CPU_ENGINE and friends where there is no GPU
-            env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
+            return {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        env.update(self.extra_env)
-        if self.arm is not None:
-            config_path = self.log_path.with_name(f"{self.log_path.stem}.arming.json")
-            config_path.write_text(self.arm.model_dump_json(indent=2), encoding="utf-8")
-            env["ENGINETAP_CONFIG"] = str(config_path)
-        return env
 
     def _failure(self, why: str) -> EnginetapError:
         return EnginetapError(f"SGLang server for {self.model} {why}",
@@ -80,7 +69,7 @@ class SGLangServer(VLLMServer):
                               "read the server log")
 
 
-class SGLangHTTPDriver:
+class SGLangHTTPDriver(ServerDriver):
     """A running SGLang server at ``url`` as a traffic driver.
 
     Args:
@@ -91,44 +80,21 @@ class SGLangHTTPDriver:
     """
 
     name = "sglang-http"
+    server = "SGLang server"
+    http_fix = "check the SGLang server log"
+    reset_failure = "SGLang did not flush its radix cache"
 
     def __init__(self, url: str, *, max_context: int, tokenizer: Any = None,
                  vocab_size: int | None = None, timeout: float = 600.0) -> None:
-        self.url, self.max_context = url.rstrip("/"), max_context
-        self.tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
+        super().__init__(url, tokenizer=tokenizer, vocab_size=vocab_size, timeout=timeout)
+        self.max_context = max_context
 
-    def prompts(self, seed: int) -> PromptBuilder:
-        return PromptBuilder(seed, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
-
-    def _post(self, path: str, payload: Mapping[str, Any] | None) -> Any:
-        body = b"" if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(f"{self.url}{path}", body,
-                                         headers={"Content-Type": "application/json"},
-                                         method="POST")
+    def _reset_once(self) -> bool:
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                text = reply.read()
-        except urllib.error.HTTPError as exc:
-            raise TrafficError(f"POST {self.url}{path} failed with HTTP {exc.code}",
-                               exc.read().decode(errors="replace")[:500],
-                               "check the SGLang server log") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise TrafficError(f"POST {self.url}{path} failed", str(exc),
-                               "check that the SGLang server is running") from None
-        try:
-            return json.loads(text or b"null")
-        except ValueError:
-            return text.decode(errors="replace")
-
-    def reset_prefix_cache(self, attempts: int = 20) -> None:
-        for _ in range(attempts):
-            try:
-                self._post("/flush_cache", None)
-                return
-            except TrafficError:
-                time.sleep(0.25)  # SGLang refuses while requests are running
-        raise TrafficError("SGLang did not flush its radix cache",
-                           f"it refused {attempts} times", "let running requests finish")
+            self._post("/flush_cache", None)
+        except TrafficError:  # SGLang refuses while requests are running
+            return False
+        return True
 
     def _one(self, s: Submission) -> Outcome:
         started = time.time()
@@ -141,7 +107,3 @@ class SGLangHTTPDriver:
         return Outcome(s.key, list(reply.get("output_ids") or []),
                        reason.get("type") if isinstance(reason, dict) else reason,
                        started, time.time(), meta.get("cached_tokens"))
-
-    def submit(self, batch: Sequence[Submission]) -> list[Outcome]:
-        with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
-            return list(pool.map(self._one, batch))

@@ -27,6 +27,7 @@ import torch
 from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
 from enginetap.engines.sglang.runner import current_runner
+from enginetap.engines.tapping import StateCall, logits_wrapper, state_wrapper
 from enginetap.tap.recorder import TapRecorder
 from enginetap.tap.rows import FlatBatch
 
@@ -113,54 +114,25 @@ def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 # -- recurrent state ---------------------------------------------------------------------
 
 
-def _record_states(recorder: TapRecorder, name: str, backend: Any, layer_id: int,
-                   slots: torch.Tensor, when: str) -> None:
-    cache = backend.req_to_token_pool.mamba2_layer_cache(layer_id)
-    for label, state in (("state", cache.temporal), ("conv", cache.conv[0])):
-        if isinstance(state, torch.Tensor):
-            recorder.checkpoint_requests(f"{name}.{label}_{when}",
-                                         state.index_select(0, slots.to(state.device)))
-
-
 def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = FlatBatch()
-
-    def tap_state(wrapped: Any, backend: Any, args: tuple, kwargs: dict) -> Any:
-        if not recorder.options.continuity or not recorder.live:
-            return wrapped(*args, **kwargs)
-        layer = bind_arguments(wrapped, args, kwargs)["layer"]
+    def read(backend: Any, call: dict[str, Any]) -> StateCall | None:
+        layer = call["layer"]
         name = _layer_name(names, layer)
         indices = getattr(backend.forward_metadata, "mamba_cache_indices", None)
-        requests = batch.read(recorder).of_requests
-        if name is None or indices is None or max(requests) >= indices.shape[0]:
-            return wrapped(*args, **kwargs)
-        slots = indices[torch.tensor(requests, dtype=torch.long, device=indices.device)]
-        _record_states(recorder, name, backend, layer.layer_id, slots.to(torch.long), "before")
-        out = wrapped(*args, **kwargs)
-        _record_states(recorder, name, backend, layer.layer_id, slots.to(torch.long), "after")
-        return out
+        if name is None or indices is None:
+            return None
+        return StateCall(name, indices, lambda: _states(backend, layer.layer_id))
 
-    return tap_state
+    return state_wrapper(recorder, read)
+
+
+def _states(backend: Any, layer_id: int) -> list[tuple[str, Any]]:
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer_id)
+    return [("state", cache.temporal), ("conv", cache.conv[0])]
 
 
 # -- sampler -----------------------------------------------------------------------------
 
 
 def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = FlatBatch()
-    noted: list[Any] = [None]
-
-    def tap_logits(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:
-        output = wrapped(*args, **kwargs)
-        step = recorder.step if recorder.live else None
-        logits = getattr(output, "next_token_logits", None)
-        if step is None or noted[0] is step or not isinstance(logits, torch.Tensor) \
-                or logits.dim() != 2 or logits.shape[0] != step.extra.get("num_reqs"):
-            return output
-        noted[0] = step
-        rows = torch.tensor(batch.read(recorder).of_rows, dtype=torch.long,
-                            device=logits.device)
-        recorder.note_logits(logits.index_select(0, rows))
-        return output
-
-    return tap_logits
+    return logits_wrapper(recorder, lambda out: getattr(out, "next_token_logits", None))

@@ -19,19 +19,15 @@ no scheduled tokens returns before the forward: neither is ever published.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from weakref import WeakKeyDictionary
 
-from enginetap.core import context
-from enginetap.core.context import Step, StepRows, publish
-from enginetap.core.patching import PatchSet, bind_arguments
+from enginetap.core.context import Step, StepRows
+from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import short_name
-
-logger = logging.getLogger("enginetap.vllm")
+from enginetap.engines.steps import RunnerState, StepAdapter
 
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V1_RUNNER = f"{V1_RUNNER_MODULE}:GPUModelRunner"
@@ -39,91 +35,42 @@ V1_RUNNER = f"{V1_RUNNER_MODULE}:GPUModelRunner"
 __all__ = ["V1_RUNNER", "V1_RUNNER_MODULE", "V1StepAdapter", "read_step", "request_key"]
 
 
-@dataclass(slots=True)
-class _RunnerState:
-    """Our per-runner bookkeeping (kept beside the runner, never on it)."""
-
-    next_step: int = 0
-    scheduled: Any = None
-    """The scheduler output of the ``execute_model`` call in progress, else None."""
-    active: publish | None = None
-
-
 @dataclass
-class V1StepAdapter:
-    """Publishes one :class:`Step` per real step of every V1 model runner in this process.
+class V1StepAdapter(StepAdapter, engine="vLLM", runner=V1_RUNNER):
+    """Publishes one :class:`Step` per real step of every V1 model runner in this process
+    (:class:`~enginetap.engines.steps.StepAdapter`: a failed reading disarms). The state's
+    ``batch`` is the scheduler output while ``execute_model`` runs."""
 
-    If reading a step ever fails, the adapter logs it and calls ``on_failure`` (default:
-    its own :meth:`uninstall`): a step context that cannot be trusted is no step context.
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    on_failure: Callable[[], None] | None = None
-    patches: PatchSet = field(init=False)
-    _states: WeakKeyDictionary = field(init=False, default_factory=WeakKeyDictionary)
-
-    def __post_init__(self) -> None:
-        self.patches = PatchSet("step")
-        self.patches.add(f"{V1_RUNNER}.execute_model", self._on_execute)
-        self.patches.add(f"{V1_RUNNER}._model_forward", self._on_forward)
-        self.patches.add(f"{V1_RUNNER}.sample_tokens", self._on_sample)
-
-    def install(self) -> V1StepAdapter:
-        """Install the runner patches (now, or when the runner module is imported).
-
-        Raises:
-            PatchError: the installed vLLM's runner lacks one of the patched methods.
-        """
-        self.patches.install()
-        return self
-
-    def uninstall(self) -> None:
-        """Remove the patches; a step in flight is abandoned."""
-        self.patches.uninstall()
-        for state in list(self._states.values()):
-            _abandon(state)
+    def wrappers(self) -> dict[str, Callable[..., Any]]:
+        return {"execute_model": self._on_execute, "_model_forward": self._on_forward,
+                "sample_tokens": self._on_sample}
 
     def _on_execute(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
-        state = self._states.setdefault(runner, _RunnerState())
-        state.scheduled = bind_arguments(wrapped, args, kwargs)["scheduler_output"]
+        state = self._states.setdefault(runner, RunnerState())
+        state.batch = bind_arguments(wrapped, args, kwargs)["scheduler_output"]
         try:
             return wrapped(*args, **kwargs)
         finally:
-            state.scheduled = None
+            state.batch = None
             if runner.execute_model_state is None:  # nothing to sample: not a real step
-                _abandon(state)
+                self._abandon(state)
 
     def _on_forward(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
         state = self._states.get(runner)
-        if state is None or state.scheduled is None or state.active is not None:
+        if state is None or state.batch is None or state.active is not None:
             return wrapped(*args, **kwargs)  # not the forward of a scheduled step
-        try:
-            inputs = bind_arguments(wrapped, args, kwargs)
-            step = read_step(runner, state.next_step, inputs, state.scheduled,
-                             (self.rank, self.world_size))
-        except Exception:  # our reading failed, not the engine: disarm, let the step run
-            logger.exception("enginetap: reading vLLM's step failed; the step context disarms")
-            (self.on_failure or self.uninstall)()
-            return wrapped(*args, **kwargs)
-        state.active = publish(step)
-        state.active.__enter__()
+        step = self._read(lambda: read_step(runner, state.next_step,
+                                            bind_arguments(wrapped, args, kwargs),
+                                            state.batch, (self.rank, self.world_size)))
+        if step is not None:
+            self._begin(state, step)
         return wrapped(*args, **kwargs)
 
     def _on_sample(self, wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
         state = self._states.get(runner)
         if state is None or state.active is None:
             return wrapped(*args, **kwargs)
-        try:
-            result = wrapped(*args, **kwargs)
-        except BaseException:
-            _abandon(state)
-            raise
-        active, state.active = state.active, None
-        state.next_step += 1
-        _fill_sampled(active.step, result)
-        active.__exit__(None, None, None)
-        return result
+        return self._sample(state, wrapped, args, kwargs, _fill_sampled)
 
 
 def _fill_sampled(step: Step, result: Any) -> None:
@@ -148,14 +95,6 @@ def request_key(request_id: str) -> str:
     key = _SUFFIX.sub("", request_id)
     completion = _COMPLETION.match(key)
     return completion.group(1) if completion else key
-
-
-def _abandon(state: _RunnerState) -> None:
-    """Drop a begun step without end listeners: it never sampled, so it is not a real step."""
-    if state.active is None:
-        return
-    state.active = None
-    context.abandon()
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ gathered shards are not a checkpoint tensor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,27 @@ SELFCHECK_FILE = "selfcheck-gather.safetensors"
 # base_loader calls it by the name it imported, so that name is the one to patch.
 AFTER_LOADING = "vllm.model_executor.model_loader.base_loader:process_weights_after_loading"
 
-__all__ = ["AFTER_LOADING", "SELFCHECK_FILE", "GatherSelfCheck", "sharded_weights"]
+__all__ = ["AFTER_LOADING", "SELFCHECK_FILE", "GatherSelfCheck", "sharded_weights",
+           "weights_loaded_patch"]
+
+
+def weights_loaded_patch(name: str, callback: Callable[[Any], None], *,
+                         before_processing: bool) -> PatchSet:
+    """A patch (not installed) calling ``callback(model)`` once vLLM loaded a model's
+    weights: before it processes them (repacking for its kernels) or after."""
+
+    def on_loaded(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        model = bind_arguments(wrapped, args, kwargs)["model"]
+        if before_processing:
+            callback(model)
+        result = wrapped(*args, **kwargs)
+        if not before_processing:
+            callback(model)
+        return result
+
+    patches = PatchSet(name)
+    patches.add(AFTER_LOADING, on_loaded)
+    return patches
 
 
 class GatherSelfCheck:
@@ -37,8 +57,7 @@ class GatherSelfCheck:
 
     def __init__(self, out_dir: Path) -> None:
         self.path = Path(out_dir) / SELFCHECK_FILE
-        self.patches = PatchSet("selfcheck-gather")
-        self.patches.add(AFTER_LOADING, self._before_processing)
+        self.patches = weights_loaded_patch("selfcheck-gather", self.run, before_processing=True)
 
     def install(self) -> GatherSelfCheck:
         self.patches.install()
@@ -46,10 +65,6 @@ class GatherSelfCheck:
 
     def uninstall(self) -> None:
         self.patches.uninstall()
-
-    def _before_processing(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        self.run(bind_arguments(wrapped, args, kwargs)["model"])
-        return wrapped(*args, **kwargs)
 
     def run(self, model: Any) -> None:
         """Gather every plainly sharded weight of ``model``; rank 0 writes the file."""

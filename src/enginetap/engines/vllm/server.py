@@ -83,13 +83,18 @@ class VLLMServer:
 
         With ``arm`` set, writes the config beside the log and names it in the result.
         """
-        env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
+        env = self._engine_environment()
         env.update(self.extra_env)
         if self.arm is not None:
             config_path = self.log_path.with_name(f"{self.log_path.stem}.arming.json")
             config_path.write_text(self.arm.model_dump_json(indent=2), encoding="utf-8")
             env["ENGINETAP_CONFIG"] = str(config_path)
+        return env
+
+    def _engine_environment(self) -> dict[str, str]:
+        """Ours without any arming, plus what the engine's server needs."""
+        env = {k: v for k, v in os.environ.items() if k not in ARMING_VARS}
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
         return env
 
     def start(self) -> VLLMServer:

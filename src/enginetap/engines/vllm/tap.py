@@ -29,6 +29,7 @@ import torch
 
 from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
+from enginetap.engines.tapping import StateCall, logits_wrapper, state_wrapper
 from enginetap.tap.recorder import TapRecorder
 from enginetap.tap.rows import FlatBatch
 
@@ -125,58 +126,27 @@ def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 # -- recurrent state ---------------------------------------------------------------------
 
 
-def _record_states(recorder: TapRecorder, name: str, layer: Any, slots: torch.Tensor,
-                   when: str) -> None:
+def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
+    def read(_: Any, call: dict[str, Any]) -> StateCall | None:
+        layer = call["layer"]
+        name = _name(names, layer)
+        indices = getattr(call["attn_metadata_i"], "non_spec_state_indices_tensor", None)
+        if name is None or indices is None:
+            return None
+        return StateCall(name, indices, lambda: _states(layer))
+
+    return state_wrapper(recorder, read)
+
+
+def _states(layer: Any) -> list[tuple[str, Any]]:
     states = getattr(layer, "kv_cache", None)
     if not isinstance(states, (list, tuple)) or len(states) < 2:
-        return
-    for label, state in (("state", states[1]), ("conv", states[0])):
-        if isinstance(state, torch.Tensor):
-            recorder.checkpoint_requests(f"{name}.{label}_{when}",
-                                         state.index_select(0, slots.to(state.device)))
-
-
-def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = FlatBatch()
-
-    def tap_state(wrapped: Any, _: Any, args: tuple, kwargs: dict) -> Any:
-        if not recorder.options.continuity or not recorder.live:
-            return wrapped(*args, **kwargs)
-        call = bind_arguments(wrapped, args, kwargs)
-        layer, meta = call["layer"], call["attn_metadata_i"]
-        name = _name(names, layer)
-        indices = getattr(meta, "non_spec_state_indices_tensor", None)
-        requests = batch.read(recorder).of_requests
-        if name is None or indices is None or max(requests) >= indices.shape[0]:
-            return wrapped(*args, **kwargs)
-        slots = indices[torch.tensor(requests, dtype=torch.long, device=indices.device)]
-        if slots.dim() == 2:
-            slots = slots[:, 0]
-        _record_states(recorder, name, layer, slots.to(torch.long), "before")
-        out = wrapped(*args, **kwargs)
-        _record_states(recorder, name, layer, slots.to(torch.long), "after")
-        return out
-
-    return tap_state
+        return []
+    return [("state", states[1]), ("conv", states[0])]
 
 
 # -- sampler -----------------------------------------------------------------------------
 
 
 def _logits_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    batch = FlatBatch()
-    noted: list[Any] = [None]
-
-    def tap_logits(wrapped: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-        logits = wrapped(*args, **kwargs)
-        step = recorder.step if recorder.live else None
-        if step is None or noted[0] is step or not isinstance(logits, torch.Tensor) \
-                or logits.dim() != 2 or logits.shape[0] != step.extra.get("num_reqs"):
-            return logits  # other ranks get no logits; speculative rows are not tapped
-        noted[0] = step
-        rows = torch.tensor(batch.read(recorder).of_rows, dtype=torch.long,
-                            device=logits.device)
-        recorder.note_logits(logits.index_select(0, rows))
-        return logits
-
-    return tap_logits
+    return logits_wrapper(recorder)  # compute_logits returns the logits themselves

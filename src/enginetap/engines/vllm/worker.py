@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import Any, Literal
 
-from enginetap.capabilities import arm as arm_capabilities
+from enginetap.capture.drift import ProbeLock
 from enginetap.config import ArmConfig
-from enginetap.core.arming import Arming, StepOptions
-from enginetap.core.capability import ArmContext, EngineHooks, InstalledGroup, InstallResult
-from enginetap.core.patching import PatchSet, bind_arguments
-from enginetap.core.ranks import rank_world, set_group_resolver
-from enginetap.core.scope import SublayerSpec, sublayer_targets
+from enginetap.core.arming import StepOptions
+from enginetap.core.capability import ArmContext, InstalledGroup, InstallResult
+from enginetap.core.patching import PatchSet
+from enginetap.core.scope import SublayerSpec
+from enginetap.engines.serving import ProcessArming, ServingHooks
 from enginetap.engines.vllm.runner import V1_RUNNER, V1_RUNNER_MODULE, V1StepAdapter
-from enginetap.engines.vllm.selfcheck import AFTER_LOADING
+from enginetap.engines.vllm.selfcheck import weights_loaded_patch
 
 logger = logging.getLogger("enginetap.vllm")
 
@@ -39,8 +38,6 @@ SUBLAYERS = SublayerSpec(
              "vllm.model_executor.layers.layernorm:RMSNormGated",
              "vllm.model_executor.layers.fused_moe.layer:FusedMoE",
              "vllm.model_executor.layers.attention.mla_attention:MLAAttention"))
-"""vLLM's sublayers: its model files' decoder/attention/MLP/MoE classes by suffix, and
-the shared layer classes by path (a path missing in another vLLM version is skipped)."""
 
 __all__ = ["SUBLAYERS", "VLLMHooks", "arm_worker", "disarm_worker", "runner_triggers"]
 
@@ -75,17 +72,18 @@ def vllm_tp_group() -> Any:
     return get_tp_group().device_group
 
 
-class VLLMHooks(EngineHooks):
+class VLLMHooks(ServingHooks):
     """What a vLLM worker supplies: the V1 runner's steps, loaded models, its TP group."""
+
+    sublayers = SUBLAYERS
+    group = staticmethod(vllm_tp_group)
 
     def __init__(self, runner_kind: RunnerKind) -> None:
         super().__init__()
         self.runner_kind = runner_kind
         self.engine = f"vLLM worker ({runner_kind.upper()} runner)"
-        self.refused_probes: dict[str, str] = {}
-        """Capture probes refused by the drift lock, with the reason (see capture_probes)."""
-        self._loading = PatchSet("vllm-model-loaded")
-        self._loading.add(AFTER_LOADING, self._after_loading)
+        self._loading = weights_loaded_patch("vllm-model-loaded", self.model_loaded,
+                                             before_processing=False)
 
     def install(self) -> VLLMHooks:
         self._loading.install()
@@ -93,12 +91,6 @@ class VLLMHooks(EngineHooks):
 
     def uninstall(self) -> None:
         self._loading.uninstall()
-
-    def _after_loading(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        model = bind_arguments(wrapped, args, kwargs)["model"]
-        result = wrapped(*args, **kwargs)
-        self.model_loaded(model)
-        return result
 
     def install_step_source(self, context: ArmContext) -> InstallResult | None:
         if self.runner_kind != "v1":
@@ -115,25 +107,17 @@ class VLLMHooks(EngineHooks):
             what = "step (gather self-check)"
         return InstalledGroup(parts), what
 
-    def sublayer_targets(self, model: Any) -> list[str]:
-        return sublayer_targets(model, SUBLAYERS)
-
     def tap_points(self, model: Any) -> list[tuple[str, Any]]:
         """KV rows, gated-delta state and logits (:mod:`enginetap.engines.vllm.tap`)."""
         from enginetap.engines.vllm.tap import tap_points
 
         return tap_points(model)
 
-    def tp_group(self) -> Any:
-        return vllm_tp_group()
+    def probe_lock(self) -> ProbeLock:
+        """vLLM CPU's probe table and drift lock."""
+        from enginetap.engines.vllm.probes import LOCK
 
-    def capture_probes(self) -> list[Any]:
-        """vLLM CPU's probes whose sources still match the shipped capture drift lock;
-        a drifted group is refused by name (logged) and vLLM serves on."""
-        from enginetap.engines.vllm.probes.lock import checked_probes
-
-        kept, self.refused_probes = checked_probes()
-        return kept
+        return LOCK
 
     def engine_version(self) -> str:
         from importlib.metadata import PackageNotFoundError, version
@@ -148,36 +132,14 @@ class VLLMHooks(EngineHooks):
         return f"vllm {getattr(vllm, '__version__', '?')}"
 
 
-_WORKER: Arming | None = None
-_HOOKS: VLLMHooks | None = None
+_PROCESS = ProcessArming("vLLM worker", logger)
 
 
 def arm_worker(config: ArmConfig, kind: RunnerKind) -> None:
     """Arm this worker process once; on failure log, disarm and let vLLM go on."""
-    global _WORKER, _HOOKS
-    if _WORKER is not None or _HOOKS is not None:
-        return
-    _HOOKS = VLLMHooks(kind)
-    try:
-        set_group_resolver(vllm_tp_group)
-        rank, world = rank_world()
-        _HOOKS.install()
-        _WORKER = arm_capabilities(config, _HOOKS, rank, world)
-    except Exception:
-        logger.exception("enginetap: arming this vLLM worker failed; it runs without enginetap")
-        _HOOKS.uninstall()
-        set_group_resolver(None)
-        return
-    logger.info("%s", _WORKER.summary())
+    _PROCESS.arm(config, lambda: VLLMHooks(kind))
 
 
 def disarm_worker() -> None:
     """Uninstall what this worker armed (it is not armed again in this process)."""
-    global _WORKER
-    if _WORKER is not None and _WORKER.installed:
-        _WORKER.uninstall()
-        _WORKER = None
-        if _HOOKS is not None:
-            _HOOKS.uninstall()
-        set_group_resolver(None)
-        logger.warning("enginetap: disarmed in vLLM worker pid %d", os.getpid())
+    _PROCESS.disarm()

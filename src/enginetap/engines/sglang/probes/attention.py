@@ -63,84 +63,93 @@ def _mla(call: ProbeCall) -> bool:
             and not (layer.logit_cap and layer.logit_cap > 0))
 
 
+def _extend(batch: Any) -> bool:
+    return batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify()
+
+
+def _mla_definition(call: ProbeCall, name: str) -> Definition:
+    layer = call.instance
+    return instantiate(name, num_qo_heads=int(layer.tp_q_head_num),
+                       head_dim_ckv=int(layer.v_head_dim),
+                       head_dim_kpe=int(layer.qk_head_dim - layer.v_head_dim), page_size=1,
+                       dtype=DTYPES[call.args["q"].dtype])
+
+
 def _define_mla_decode(call: ProbeCall) -> Definition | None:
     if not call.args["forward_batch"].forward_mode.is_decode() or not _mla(call):
         return None
-    layer = call.instance
-    return instantiate("mla_paged_decode", num_qo_heads=int(layer.tp_q_head_num),
-                       head_dim_ckv=int(layer.v_head_dim),
-                       head_dim_kpe=int(layer.qk_head_dim - layer.v_head_dim), page_size=1,
-                       dtype=DTYPES[call.args["q"].dtype])
-
-
-def _adapt_mla_decode(call: ProbeCall) -> Extracted:
-    single_rank(call)
-    layer = call.instance
-    slots, lens = _request_slots(call)
-    latent, _ = _pool(call)
-    ckv = int(layer.v_head_dim)
-    q = call.args["q"].reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    out = call.result[0] if isinstance(call.result, tuple) else call.result
-    every = torch.cat(slots)
-    cache = latent[every].reshape(len(every), 1, layer.qk_head_dim)
-    indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    inputs = {"q_nope": q[..., :ckv].contiguous(), "q_pe": q[..., ckv:].contiguous(),
-              "ckv_cache": cache[..., :ckv].contiguous(),
-              "kpe_cache": cache[..., ckv:].contiguous(), "kv_indptr": indptr,
-              "kv_indices": torch.arange(len(every), dtype=torch.int32),
-              "kv_last_page_len": torch.ones(len(lens), dtype=torch.int32),
-              "sm_scale": float(layer.scaling)}
-    notes = [f"SGLang's latent pool as pages of one token: the requests' {len(every)} slots "
-             "compacted and renumbered 0..n-1 in request order, each split into ckv "
-             f"({ckv}) and kpe ({layer.qk_head_dim - ckv})",
-             "q split the same way (absorbed: q_nope already multiplied by W_UK)",
-             "the backend returns no lse"]
-    return Extracted(inputs, {"output": out.reshape(-1, layer.tp_q_head_num, ckv)}, notes)
+    return _mla_definition(call, "mla_paged_decode")
 
 
 def _define_mla_extend(call: ProbeCall) -> Definition | None:
-    batch = call.args["forward_batch"]
-    if not batch.forward_mode.is_extend() or batch.forward_mode.is_target_verify() \
-            or not _mla(call) or call.instance.is_cross_attention:
+    if not _extend(call.args["forward_batch"]) or not _mla(call) \
+            or call.instance.is_cross_attention:
         return None
-    layer = call.instance
-    return instantiate("mla_paged_prefill", num_qo_heads=int(layer.tp_q_head_num),
-                       head_dim_ckv=int(layer.v_head_dim),
-                       head_dim_kpe=int(layer.qk_head_dim - layer.v_head_dim), page_size=1,
-                       dtype=DTYPES[call.args["q"].dtype])
+    return _mla_definition(call, "mla_paged_prefill")
 
 
-def _adapt_mla_extend(call: ProbeCall) -> Extracted:
+def _one_token_pages(lens: list[int]) -> dict[str, torch.Tensor]:
+    """The requests' slots as pages of one token, compacted and renumbered in order."""
+    return {"kv_indptr": _indptr(lens),
+            "kv_indices": torch.arange(sum(lens), dtype=torch.int32),
+            "kv_last_page_len": torch.ones(len(lens), dtype=torch.int32)}
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _mla_call(call: ProbeCall) -> tuple[dict[str, Any], list[int], torch.Tensor]:
+    """The absorbed query and the requests' latent cache split into ckv and kpe, the
+    requests' sequence lengths, and the output ``[tokens, heads, ckv]``."""
     single_rank(call)
     layer = call.instance
-    batch = call.args["forward_batch"]
     slots, lens = _request_slots(call)
     latent, _ = _pool(call)
     ckv = int(layer.v_head_dim)
-    q = call.args["q"].reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    out = call.result[0] if isinstance(call.result, tuple) else call.result
+    q, out = _q_out(call)
     every = torch.cat(slots)
     cache = latent[every].reshape(len(every), 1, layer.qk_head_dim)
-    q_lens = [int(x) for x in batch.extend_seq_lens_cpu]
-    inputs = {"q_nope": q[..., :ckv].contiguous(), "q_pe": q[..., ckv:].contiguous(),
-              "ckv_cache": cache[..., :ckv].contiguous(),
-              "kpe_cache": cache[..., ckv:].contiguous(),
-              "qo_indptr": torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(
-                  0, dtype=torch.int32),
-              "kv_indptr": torch.tensor([0, *lens], dtype=torch.int32).cumsum(
-                  0, dtype=torch.int32),
-              "kv_indices": torch.arange(len(every), dtype=torch.int32),
-              "kv_last_page_len": torch.ones(len(lens), dtype=torch.int32),
-              "sm_scale": float(layer.scaling)}
-    notes = [f"SGLang's latent pool as pages of one token, read back after the call: the "
-             f"requests' {len(every)} slots (req_to_token[:seq_len]: cached prefix then this "
-             "step's tokens) compacted and renumbered 0..n-1 in request order, each split "
-             f"into ckv ({ckv}) and kpe ({layer.qk_head_dim - ckv})",
+    return ({"q_nope": q[..., :ckv].contiguous(), "q_pe": q[..., ckv:].contiguous(),
+             "ckv_cache": cache[..., :ckv].contiguous(),
+             "kpe_cache": cache[..., ckv:].contiguous()}, lens, out)
+
+
+def _mla_split_note(call: ProbeCall) -> str:
+    layer = call.instance
+    ckv = int(layer.v_head_dim)
+    return f"each split into ckv ({ckv}) and kpe ({layer.qk_head_dim - ckv})"
+
+
+def _adapt_mla_decode(call: ProbeCall) -> Extracted:
+    tensors, lens, out = _mla_call(call)
+    inputs = {**tensors, **_one_token_pages(lens), "sm_scale": float(call.instance.scaling)}
+    notes = [f"SGLang's latent pool as pages of one token: the requests' {sum(lens)} slots "
+             f"compacted and renumbered 0..n-1 in request order, {_mla_split_note(call)}",
              "q split the same way (absorbed: q_nope already multiplied by W_UK)",
              "the backend returns no lse"]
+    return Extracted(inputs, {"output": out}, notes)
+
+
+def _adapt_mla_extend(call: ProbeCall) -> Extracted:
+    batch = call.args["forward_batch"]
+    tensors, lens, out = _mla_call(call)
+    q_lens = [int(x) for x in batch.extend_seq_lens_cpu]
+    inputs = {**tensors, "qo_indptr": _indptr(q_lens), **_one_token_pages(lens),
+              "sm_scale": float(call.instance.scaling)}
+    notes = [f"SGLang's latent pool as pages of one token, read back after the call: the "
+             f"requests' {sum(lens)} slots (req_to_token[:seq_len]: cached prefix then this "
+             f"step's tokens) compacted and renumbered 0..n-1 in request order, "
+             f"{_mla_split_note(call)}",
+             "q split the same way (absorbed: q_nope already multiplied by W_UK)",
+             "the backend returns no lse"] + _prefix_note(batch)
+    return Extracted(inputs, {"output": out}, notes)
+
+
+def _prefix_note(batch: Any) -> list[str]:
     if any(p for p in batch.extend_prefix_lens_cpu):
-        notes.append(f"cached prefix per request: {list(batch.extend_prefix_lens_cpu)}")
-    return Extracted(inputs, {"output": out.reshape(-1, layer.tp_q_head_num, ckv)}, notes)
+        return [f"cached prefix per request: {list(batch.extend_prefix_lens_cpu)}"]
+    return []
 
 
 def _heads(layer: Any) -> dict[str, int]:
@@ -149,9 +158,7 @@ def _heads(layer: Any) -> dict[str, int]:
 
 
 def _define_extend(call: ProbeCall) -> Definition | None:
-    batch = call.args["forward_batch"]
-    if not batch.forward_mode.is_extend() or batch.forward_mode.is_target_verify() \
-            or not _plain(call):
+    if not _extend(call.args["forward_batch"]) or not _plain(call):
         return None
     return instantiate("gqa_ragged_prefill", **_heads(call.instance),
                        dtype=DTYPES[call.args["q"].dtype])
@@ -198,16 +205,12 @@ def _adapt_extend(call: ProbeCall) -> Extracted:
     keys, values = _pool(call)
     q, output = _q_out(call)
     q_lens = [int(x) for x in batch.extend_seq_lens_cpu]
-    qo = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    kv = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     every = torch.cat(slots)
-    inputs = {"q": q, "k": keys[every], "v": values[every], "qo_indptr": qo, "kv_indptr": kv,
-              "sm_scale": float(call.instance.scaling)}
+    inputs = {"q": q, "k": keys[every], "v": values[every], "qo_indptr": _indptr(q_lens),
+              "kv_indptr": _indptr(lens), "sm_scale": float(call.instance.scaling)}
     notes = ["k/v read back from SGLang's token pool after the call, at each request's slots "
              "(req_to_token[:seq_len]: cached prefix then this step's tokens)",
-             "the backend returns no lse"]
-    if any(p for p in batch.extend_prefix_lens_cpu):
-        notes.append(f"cached prefix per request: {list(batch.extend_prefix_lens_cpu)}")
+             "the backend returns no lse"] + _prefix_note(batch)
     return Extracted(inputs, {"output": output}, notes)
 
 
@@ -217,28 +220,27 @@ def _adapt_decode(call: ProbeCall) -> Extracted:
     keys, values = _pool(call)
     q, output = _q_out(call)
     every = torch.cat(slots)
-    indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     inputs = {"q": q, "k_cache": keys[every].unsqueeze(1), "v_cache": values[every].unsqueeze(1),
-              "kv_indptr": indptr, "kv_indices": torch.arange(len(every), dtype=torch.int32),
-              "kv_last_page_len": torch.ones(len(lens), dtype=torch.int32),
-              "sm_scale": float(call.instance.scaling)}
+              **_one_token_pages(lens), "sm_scale": float(call.instance.scaling)}
     notes = [f"SGLang's flat token pool as pages of one token: the requests' {len(every)} "
              "slots compacted and renumbered 0..n-1 in request order",
              "the backend returns no lse"]
     return Extracted(inputs, {"output": output}, notes)
 
 
+
+def _probe(name: str, family: str, define: Any, adapt: Any, when: str, what: str) -> Probe:
+    return Probe(f"sglang.{name}", family, define, adapt, target=FORWARD, when=when,
+                 description=f"RadixAttention.forward{what}")
+
+
 ATTENTION_PROBES = [
-    Probe("sglang.attention.extend", "gqa_ragged_prefill", _define_extend, _adapt_extend,
-          target=FORWARD, when="prefill",
-          description="RadixAttention.forward on an extend batch (radix_attention.py)"),
-    Probe("sglang.attention.decode", "gqa_paged_decode", _define_decode, _adapt_decode,
-          target=FORWARD, when="decode",
-          description="RadixAttention.forward on a decode batch (radix_attention.py)"),
-    Probe("sglang.mla.decode", "mla_paged_decode", _define_mla_decode, _adapt_mla_decode,
-          target=FORWARD, when="decode",
-          description="RadixAttention.forward, MLA absorbed decode (DeepSeek's attn_mqa)"),
-    Probe("sglang.mla.extend", "mla_paged_prefill", _define_mla_extend, _adapt_mla_extend,
-          target=FORWARD, when="prefill",
-          description="RadixAttention.forward, MLA absorbed extend (DeepSeek's attn_mqa)"),
+    _probe("attention.extend", "gqa_ragged_prefill", _define_extend, _adapt_extend, "prefill",
+           " on an extend batch (radix_attention.py)"),
+    _probe("attention.decode", "gqa_paged_decode", _define_decode, _adapt_decode, "decode",
+           " on a decode batch (radix_attention.py)"),
+    _probe("mla.decode", "mla_paged_decode", _define_mla_decode, _adapt_mla_decode, "decode",
+           ", MLA absorbed decode (DeepSeek's attn_mqa)"),
+    _probe("mla.extend", "mla_paged_prefill", _define_mla_extend, _adapt_mla_extend, "prefill",
+           ", MLA absorbed extend (DeepSeek's attn_mqa)"),
 ]
