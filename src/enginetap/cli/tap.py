@@ -41,7 +41,8 @@ def run(
              "output only: about a third of the checkpoints).")] = "sublayers",
     mode: Annotated[str, typer.Option(
         help="Built-in engine: eager (default) or compile (torch.compile of the decoder "
-             "stack, checkpoints hashed in the graph).")] = "eager",
+             "stack, checkpoints hashed in the graph). vLLM: eager (default) or compile "
+             "(not enforce_eager: vLLM's own compilation config).")] = "eager",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace a previous run's tap files in --out (refused without).")
     ] = False,
@@ -76,7 +77,7 @@ def run(
     if mode not in ("eager", "compile"):
         raise ConfigError(f"unknown mode {mode!r}", "the built-in engine runs eager or "
                           "compiled", "pass --mode eager or --mode compile")
-    if mode != "eager" and engine != "builtin":
+    if mode != "eager" and engine != "builtin" and (engine, mode) != ("vllm", "compile"):
         raise ConfigError(f"--mode {mode} needs --engine builtin", f"{engine} is tapped in "
                           "its own (eager) mode here", "drop --mode, or pass --engine builtin")
     if mode == "compile" and (vectors != "off" or vector_steps):
@@ -99,7 +100,8 @@ def run(
                                     max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)
     elif engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
-                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
+                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype,
+                                  compile=mode == "compile")
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device,

@@ -701,10 +701,10 @@ class TapRecorder:
             "torch": torch.__version__, "host": platform.node(),
         }
         if self.compiled is not None:
-            header["compiled"] = "torch.compile"
+            header["compiled"] = getattr(self.compiled, "mode", "torch.compile")
             header["not_placed"] = self.compiled.not_placed
         self.sink.submit(lambda: header, -1)
-        if step.extra.get("compiled"):
+        if step.extra.get("compiled") and self.compiled is None:
             logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "
                            "inside the compiled forward are not recorded (torch.compile "
                            "inlines past their hooks); kernel-level points in custom ops and "

@@ -98,6 +98,10 @@ class VLLMHooks(EngineHooks):
         model = bind_arguments(wrapped, args, kwargs)["model"]
         result = wrapped(*args, **kwargs)
         self.model_loaded(model)
+        if _WORKER is not None:  # before vLLM's warm-up traces it (compiled mode)
+            from enginetap.engines.vllm.compiled_tap import attach_compiled
+
+            attach_compiled(_WORKER.installed, model)
         return result
 
     def install_step_source(self, context: ArmContext) -> InstallResult | None:
