@@ -135,9 +135,7 @@ class VLLMCompiledTap:
 
     def detach(self) -> None:
         """Leave the recorder; the hooks stay (the compiled graph reads through them)."""
-        for key, entry in self._taken.items():
-            if entry is not None:
-                self._names._names[key] = entry
+        self._names._names.update((k, e) for k, e in self._taken.items() if e is not None)
         self._taken.clear()
         if self.recorder.compiled is self:
             self.recorder.compiled = None
@@ -161,23 +159,23 @@ class VLLMCompiledTap:
             self.order.append(name)
         return slot
 
+    def _hash(self, tensor: Any, name: str) -> None:
+        """Traced: the op hashing ``tensor``'s tapped rows into ``name``'s slot."""
+        if isinstance(tensor, torch.Tensor):
+            torch.ops.enginetap.tap_hash_rows(self.buffer, tensor, self.index, self._slot(name))
+
     def _before(self, name_in: str | None, points: list[str]) -> Any:
         def tap_input(module: Any, args: tuple, kwargs: dict) -> None:
             if name_in is not None:
-                hidden = _hidden(args, kwargs)
-                if isinstance(hidden, torch.Tensor):
-                    torch.ops.enginetap.tap_hash_rows(self.buffer, hidden, self.index,
-                                                      self._slot(name_in))
-            for point in points:  # traced: only reserves their places in the order
+                self._hash(_hidden(args, kwargs), name_in)
+            for point in points:  # only reserves their places in the order
                 self._slot(point, kernel=True)
         return tap_input
 
     def _after(self, base: str) -> Any:
         def tap_output(module: Any, args: tuple, out: Any) -> None:
             for suffix, tensor in outputs_of(out):
-                if isinstance(tensor, torch.Tensor):
-                    torch.ops.enginetap.tap_hash_rows(self.buffer, tensor, self.index,
-                                                      self._slot(f"{base}.{suffix}"))
+                self._hash(tensor, f"{base}.{suffix}")
         return tap_output
 
     # -- kernel-level points (eager, inside vLLM's custom ops) -------------------------
