@@ -108,6 +108,8 @@ class VLLMCompiledTap:
         """By name: its row of :attr:`buffer` (>= 0) or ``-1 - row`` of :attr:`kernel`."""
         self.order: list[str] = []
         """Every name, in the order first traced (kernel points where reserved)."""
+        self.late: list[str] = []
+        """Kernel points first met at run time (none reserved for them), in that order."""
         self._handles: list[Any] = []
         self._taken: dict[int, Any] = {}
         self._full = False
@@ -156,7 +158,9 @@ class VLLMCompiledTap:
         if slot is None:
             used = sum(1 for s in self.slots.values() if (s < 0) == kernel)
             slot = self.slots[name] = -1 - used if kernel else used
-            self.order.append(name)
+            # dynamo replays what traced code did to these lists after every graph call:
+            # a name first met at run time goes where that replay does not reach
+            (self.order if torch.compiler.is_compiling() else self.late).append(name)
         return slot
 
     def _hash(self, tensor: Any, name: str) -> None:
@@ -212,7 +216,8 @@ class VLLMCompiledTap:
         """After the forward: the names written this step in execution order, and their
         ``[names, k]`` hashes."""
         both = torch.cat([self.buffer, self.kernel.flip(0)])  # kernel row r at -1 - r
-        names = [n for n in self.order if -len(self.kernel) <= self.slots[n] < len(self.buffer)]
+        names = [n for n in self.order + self.late
+                 if -len(self.kernel) <= self.slots[n] < len(self.buffer)]
         rows = torch.tensor([self.slots[n] for n in names], dtype=torch.long)
         picked = both.index_select(0, rows.remainder(both.shape[0]))
         written = picked[:, -1].nonzero().flatten()

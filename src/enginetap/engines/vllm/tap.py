@@ -55,11 +55,12 @@ def kernel_points(module: Any, base: str, kind: str) -> list[str]:
     """The kernel-level checkpoints recorded for ``module`` (checkpoint base name
     ``base``, its ``kind``) in a step, in the order they are recorded (a compiled model's
     tap reserves their places: :mod:`.compiled_tap`)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     if kind == "attn" and isinstance(getattr(module, "impl", None), CPUAttentionBackendImpl):
         return [f"{base.removesuffix('.core')}.{p}" for p in ("kv_written", "kv_prev")]
-    if kind == "gdn" and isinstance(getattr(module, "kv_cache", None), (list, tuple)):
+    if kind == "gdn" and isinstance(module, MambaBase):  # its states come after loading
         return [f"{base}.{label}_{when}" for when in ("before", "after")
                 for label in ("state", "conv")]
     return []
