@@ -97,7 +97,8 @@ def test_compiled_run_records_every_checkpoint_of_the_eager_run(runs) -> None:
             "L3.attn.core.out", "L3.out1"} <= set(steps[0][0].checkpoints)
     llama = [load_run(runs[n]).rank(0).steps for n in ("llama-compiled", "llama-eager")]
     assert load_run(runs["llama-compiled"]).header["compiled"] == COMPILED
-    assert [s.checkpoints for s in llama[0]] == [s.checkpoints for s in llama[1]]
+    # (their tokens, hence their steps, may differ: each kind of step's names agree)
+    assert {tuple(s.checkpoints) for s in llama[0]} == {tuple(s.checkpoints) for s in llama[1]}
     assert {"L0.in", "L0.attn.core.out", "L0.mlp.out", "L1.attn.kv_written"} <= \
         set(llama[0][0].checkpoints)
 
