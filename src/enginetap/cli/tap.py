@@ -42,7 +42,8 @@ def run(
     mode: Annotated[str, typer.Option(
         help="Built-in engine: eager (default), compile (torch.compile of the decoder "
              "stack, checkpoints hashed in the graph) or graphs (CUDA-graph decode over a "
-             "static KV cache, checkpoints hashed in the graphs; needs --device cuda).")
+             "static KV cache, checkpoints hashed in the graphs; needs --device cuda). vLLM: "
+             "eager (default) or compile (not enforce_eager: vLLM's own compilation config).")
     ] = "eager",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace a previous run's tap files in --out (refused without).")
@@ -81,7 +82,7 @@ def run(
     if mode == "graphs" and device != "cuda":
         raise ConfigError("--mode graphs needs --device cuda", "CUDA graphs replay on a "
                           "CUDA device", "add --device cuda, or pass --mode eager")
-    if mode != "eager" and engine != "builtin":
+    if mode != "eager" and engine != "builtin" and (engine, mode) != ("vllm", "compile"):
         raise ConfigError(f"--mode {mode} needs --engine builtin", f"{engine} is tapped in "
                           "its own (eager) mode here", "drop --mode, or pass --engine builtin")
     if mode != "eager" and (vectors != "off" or vector_steps):
@@ -104,7 +105,8 @@ def run(
                                     max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)
     elif engine == "vllm":
         outputs = record_vllm_run(model, texts, out, batch_size=batch_size,
-                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype)
+                                  max_new_tokens=max_new_tokens, tap=tap, tp=tp, dtype=dtype,
+                                  compile=mode == "compile")
     else:
         outputs = record_run(model, texts, out, batch_size=batch_size,
                              max_new_tokens=max_new_tokens, tap=tap, dtype=dtype, device=device,

@@ -32,19 +32,22 @@ class StateCall:
     """``(label, pool)`` of the state pools (``state``, ``conv``), read at each record."""
 
 
-def _record(recorder: TapRecorder, call: StateCall, slots: torch.Tensor, when: str) -> None:
+def _record(put: Callable[[str, torch.Tensor], None], call: StateCall, slots: torch.Tensor,
+            when: str) -> None:
     for label, state in call.states():
         if isinstance(state, torch.Tensor):
-            recorder.checkpoint_requests(f"{call.name}.{label}_{when}",
-                                         state.index_select(0, slots.to(state.device)))
+            put(f"{call.name}.{label}_{when}", state.index_select(0, slots.to(state.device)))
 
 
 def state_wrapper(recorder: TapRecorder,
-                  read: Callable[[Any, dict[str, Any]], StateCall | None]) -> Callable[..., Any]:
+                  read: Callable[[Any, dict[str, Any]], StateCall | None],
+                  put: Callable[[str, torch.Tensor], None] | None = None) -> Callable[..., Any]:
     """A wrapper recording ``<name>.state_before/after`` and ``conv_before/after`` of each
     tapped request around the call; ``read(instance, bound arguments)`` says where (None:
-    not tapped)."""
+    not tapped); ``put(name, rows)`` records one request's rows each (default: the
+    recorder's per-request checkpoint; vLLM's compiled model: its tap buffer)."""
     batch = FlatBatch()
+    put = put or recorder.checkpoint_requests
 
     def tap_state(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         if not recorder.options.continuity or not recorder.live:
@@ -56,9 +59,9 @@ def state_wrapper(recorder: TapRecorder,
         slots = call.indices[torch.tensor(requests, dtype=torch.long, device=call.indices.device)]
         if slots.dim() == 2:
             slots = slots[:, 0]
-        _record(recorder, call, slots.to(torch.long), "before")
+        _record(put, call, slots.to(torch.long), "before")
         out = wrapped(*args, **kwargs)
-        _record(recorder, call, slots.to(torch.long), "after")
+        _record(put, call, slots.to(torch.long), "after")
         return out
 
     return tap_state

@@ -56,9 +56,10 @@ def arm_processes(config_file: Path, tp: int = 1) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def build_llm(model: Path, *, tp: int = 1, dtype: str = "auto", **engine_args: Any) -> Any:
-    """``vllm.LLM`` of ``model`` as the jobs run it: eager (``enforce_eager``: no CUDA
-    graphs or compiled forward hides a layer from the wrappers), seed 0, 30% of a GPU's
+def build_llm(model: Path, *, tp: int = 1, dtype: str = "auto", compile: bool = False,
+              **engine_args: Any) -> Any:
+    """``vllm.LLM`` of ``model`` as the jobs run it: eager (``enforce_eager``; ``compile``:
+    vLLM's own compiled mode, where the tap places its checkpoints in the graph), seed 0, 30% of a GPU's
     memory on a GPU build; ``engine_args`` go to vLLM as they are. Check that vLLM
     imports first (:func:`~enginetap.jobs.device.require_vllm`, before anything is
     written), then arm (:func:`arm_processes`): its processes read the arming as they
@@ -66,4 +67,4 @@ def build_llm(model: Path, *, tp: int = 1, dtype: str = "auto", **engine_args: A
     from vllm import LLM
 
     return LLM(model=str(model), tensor_parallel_size=tp, gpu_memory_utilization=0.3,
-               enforce_eager=True, seed=0, dtype=dtype, **engine_args)
+               enforce_eager=not compile, seed=0, dtype=dtype, **engine_args)

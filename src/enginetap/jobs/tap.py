@@ -223,9 +223,10 @@ def record_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8
 
 def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
                     max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
-                    tp: int = 1, dtype: str = "auto") -> list[list[int]]:
-    """The same on vLLM CPU (``vllm.LLM`` in this process, greedy, eager, no prefix
-    caching, at most ``batch_size`` requests at once): every vLLM process is armed through
+                    tp: int = 1, dtype: str = "auto", compile: bool = False) -> list[list[int]]:
+    """The same on vLLM CPU (``vllm.LLM`` in this process, greedy, eager (``compile``:
+    vLLM's own compiled mode, not ``enforce_eager``), no prefix caching, at most
+    ``batch_size`` requests at once): every vLLM process is armed through
     ``ENGINETAP_CONFIG`` (``<out>/arming.json``), one tap file per rank. With ``tp > 1``
     ``VLLM_CPU_OMP_THREADS_BIND`` defaults to ``nobind`` (vLLM's binding needs a NUMA node
     per rank). ``dtype`` is vLLM's (``auto``: the model's).
@@ -242,7 +243,7 @@ def record_vllm_run(model: str, prompts: list[str], out: Path, *, batch_size: in
 
     arm_tap_processes(out, tap, tp)
     llm = build_llm(folder, tp=tp, dtype=dtype, enable_prefix_caching=False,
-                    max_num_seqs=batch_size)
+                    max_num_seqs=batch_size, compile=compile)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     try:
         done: dict[str, list[int]] = {}

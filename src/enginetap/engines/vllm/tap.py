@@ -30,10 +30,11 @@ import torch
 from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
 from enginetap.engines.tapping import StateCall, logits_wrapper, state_wrapper
+from enginetap.engines.vllm.compiled_tap import VLLMCompiledTap
 from enginetap.tap.recorder import TapRecorder
 from enginetap.tap.rows import FlatBatch
 
-__all__ = ["ATTENTION", "GDN", "tap_points"]
+__all__ = ["ATTENTION", "GDN", "kernel_points", "tap_points"]
 
 ATTENTION = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward"
 GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_cpu_gdn_attention_nonspec"
@@ -49,6 +50,37 @@ def tap_points(model: Any) -> list[tuple[str, Factory]]:
     if callable(getattr(cls, "compute_logits", None)):
         points.append((f"{cls.__module__}:{cls.__qualname__}.compute_logits", _logits_wrapper))
     return points
+
+
+def kernel_points(module: Any, base: str, kind: str) -> list[str]:
+    """The kernel-level checkpoints recorded for ``module`` (checkpoint base name
+    ``base``, its ``kind``) in a step, in the order they are recorded (a compiled model's
+    tap reserves their places: :mod:`.compiled_tap`)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    if kind == "attn" and isinstance(getattr(module, "impl", None), CPUAttentionBackendImpl):
+        return [f"{base.removesuffix('.core')}.{p}" for p in ("kv_written", "kv_prev")]
+    if kind == "gdn" and isinstance(module, MambaBase):  # its states come after loading
+        return [f"{base}.{label}_{when}" for when in ("before", "after")
+                for label in ("state", "conv")]
+    return []
+
+
+def _point(recorder: TapRecorder, name: str, rows: torch.Tensor, per_request: bool) -> None:
+    """Record ``rows`` (one per tapped row, or ``per_request``: one per tapped request,
+    each tapped row then gets its request's) under ``name``: into the compiled model's tap
+    buffer where vLLM compiles the model, else staged as eager checkpoints are."""
+    compiled = recorder.compiled
+    if isinstance(compiled, VLLMCompiledTap):
+        if per_request:
+            rows = rows.index_select(0, torch.tensor(recorder.request_of_row,
+                                                     dtype=torch.long, device=rows.device))
+        compiled.write_rows(name, rows)
+    elif per_request:
+        recorder.checkpoint_requests(name, rows)
+    else:
+        recorder.checkpoint_rows(name, rows)
 
 
 def _name(names: Any, module: Any) -> str | None:
@@ -116,8 +148,8 @@ def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
             return out
         slots = meta.slot_mapping.to(torch.long)[recorder.index(meta.slot_mapping.device)]
         prev = _previous_slots(recorder, meta, int(cache.shape[2]), batch.read(recorder))
-        recorder.checkpoint_rows(f"{name}.kv_written", _slot_bytes(cache, layer.isa, slots))
-        recorder.checkpoint_rows(f"{name}.kv_prev", _slot_bytes(cache, layer.isa, prev))
+        _point(recorder, f"{name}.kv_written", _slot_bytes(cache, layer.isa, slots), False)
+        _point(recorder, f"{name}.kv_prev", _slot_bytes(cache, layer.isa, prev), False)
         return out
 
     return tap_kv
@@ -135,7 +167,8 @@ def _state_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
             return None
         return StateCall(name, indices, lambda: _states(layer))
 
-    return state_wrapper(recorder, read)
+    return state_wrapper(recorder, read,
+                         lambda name, rows: _point(recorder, name, rows, True))
 
 
 def _states(layer: Any) -> list[tuple[str, Any]]:

@@ -82,7 +82,7 @@ class VLLMHooks(ServingHooks):
         super().__init__()
         self.runner_kind = runner_kind
         self.engine = f"vLLM worker ({runner_kind.upper()} runner)"
-        self._loading = weights_loaded_patch("vllm-model-loaded", self.model_loaded,
+        self._loading = weights_loaded_patch("vllm-model-loaded", self._loaded,
                                              before_processing=False)
 
     def install(self) -> VLLMHooks:
@@ -91,6 +91,14 @@ class VLLMHooks(ServingHooks):
 
     def uninstall(self) -> None:
         self._loading.uninstall()
+
+    def _loaded(self, model: Any) -> None:
+        self.model_loaded(model)
+        arming = _PROCESS.arming
+        if arming is not None:  # before vLLM's warm-up traces it (compiled mode)
+            from enginetap.engines.vllm.compiled_tap import attach_compiled
+
+            attach_compiled(arming.installed, model)
 
     def install_step_source(self, context: ArmContext) -> InstallResult | None:
         if self.runner_kind != "v1":

@@ -187,6 +187,11 @@ def _dtypes(run: TapRun) -> list[str]:
                   for m in run.header.get("models") or [])
 
 
+def _mode(run: TapRun) -> str:
+    compiled = run.header.get("compiled")
+    return f"compiled ({compiled})" if compiled else "eager"
+
+
 def check_comparable(run_a: TapRun, run_b: TapRun) -> list[str]:
     """Warnings about two runs that can be diffed but differ in what they ran (dtypes, the
     engine).
@@ -210,6 +215,16 @@ def check_comparable(run_a: TapRun, run_b: TapRun) -> list[str]:
     if not models[0] or not models[1]:
         warnings.append("a run's header names no model: that both ran the same model is "
                         "not checked")
+    modes = [_mode(r) for r in (run_a, run_b)]
+    if modes[0] != modes[1]:
+        warnings.append(f"A ran {modes[0]}, B ran {modes[1]}: a compiler fuses and rounds "
+                        "differently from eager kernels (vLLM compiled also runs its custom-op "
+                        "layers' torch code), so checkpoints may differ from the first "
+                        "compiled sublayer on")
+    for label, run in (("A", run_a), ("B", run_b)):
+        if run.header.get("not_placed"):
+            warnings.append(f"run {label} could not place {_listed(set(run.header['not_placed']))}"
+                            " under compile: not compared")
     engines = [f"{r.header.get('engine')} ({r.header.get('engine_version')})"
                for r in (run_a, run_b)]
     if engines[0] != engines[1]:

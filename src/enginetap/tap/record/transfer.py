@@ -172,7 +172,7 @@ class Transfer:
         if self.compiled is not None:  # compiled / CUDA-graph tap (tap/compiled.py)
             header.update(self.compiled.header())
         self.sink.submit(lambda: header, -1)
-        if step.extra.get("compiled"):
+        if step.extra.get("compiled") and self.compiled is None:
             logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "
                            "inside the compiled forward are not recorded (torch.compile "
                            "inlines past their hooks); kernel-level points in custom ops and "
