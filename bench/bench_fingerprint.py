@@ -5,7 +5,7 @@
 A state or KV cache is fingerprinted between steps to catch rows something else
 overwrote. Side by side in one run, medians of CUDA-event timings over the same bf16
 tensor: ``copy`` (``clone``: read + write, the device's practical bandwidth), ``triton``
-(:func:`enginetap.tap.kernels.fingerprint_tensor`) and ``torch chunked`` (int64 words
+(:func:`enginetap.tap.record.kernels.fingerprint_tensor`) and ``torch chunked`` (int64 words
 times weights, 4 Mi words per chunk: the approach of seed 004's checksum). Bandwidth is
 the tensor's bytes read per second (for ``copy``, read + write). Also checks that the
 two fingerprints agree.
@@ -35,8 +35,8 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    from enginetap.tap import kernels
-    from enginetap.tap.fingerprint import fingerprint
+    from enginetap.tap.record import kernels
+    from enginetap.tap.record.fingerprint import fingerprint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)

@@ -47,7 +47,7 @@ from enginetap.core.jsonl import close_all
 from enginetap.core.patching import PatchSet
 from enginetap.core.scope import sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
-from enginetap.tap.fingerprint import word_weights
+from enginetap.tap.record.fingerprint import word_weights
 
 
 def build(args: argparse.Namespace) -> Any:

@@ -52,7 +52,7 @@ from enginetap.core.scope import sublayer_targets
 from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
 from enginetap.engines.hf.targets import SUBLAYERS
-from enginetap.tap.fingerprint import word_weights
+from enginetap.tap.record.fingerprint import word_weights
 
 VARIANTS = ("disarmed", "tap", "tap-fp", "tap-at-call", "seed-002")
 

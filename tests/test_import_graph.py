@@ -36,22 +36,10 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 """Bottom first: a module may import its own layer and those before it."""
 
-UPWARD_ALLOWED: set[tuple[str, str]] = {
-    # issue 28: engines/sglang/run.py and server.py are jobs (they drive an engine with
-    # prompts through traffic's drivers): they move to jobs/; the lead empties this list
-    # at that merge.
-    ("enginetap.engines.sglang.run", "enginetap.traffic.drivers"),
-    ("enginetap.engines.sglang.run", "enginetap.traffic.prompts"),
-    ("enginetap.engines.sglang.server", "enginetap.traffic.drivers"),
-    ("enginetap.engines.sglang.server", "enginetap.traffic.prompts"),
-}
+UPWARD_ALLOWED: set[tuple[str, str]] = set()
 """(module, imported) pairs that point upward today and are being moved."""
 
 FOLDER_EDGES_ALLOWED: set[tuple[str, str]] = {
-    # issue 28: SGLang's probes read the runner's step (probes/attention.py imports
-    # runner.current_runner) while its worker loads the probes' lock: a circle of
-    # engines/sglang/ and its probes/; the lead empties this list at merge.
-    ("enginetap.engines.sglang.probes", "enginetap.engines.sglang"),
     # issue 28: capture/writers/ takes copy, pinned and provenance from capture/, whose
     # runtime, child and calls use the writers: a circle of capture/ and writers/.
     ("enginetap.capture.writers", "enginetap.capture"),

@@ -24,7 +24,7 @@ CAPTURE = Capability("capture", CaptureOptions, "enginetap.capture.arming:instal
                      "operator workloads into a FlashInfer-Trace dataset",
                      needs=("step", "scope"))
 
-TAP = Capability("tap", TapOptions, "enginetap.tap.arming:install",
+TAP = Capability("tap", TapOptions, "enginetap.tap.record.arming:install",
                  "per-step fingerprints of tapped rows at every sublayer",
                  needs=("step", "scope"), running_scope=False)
 

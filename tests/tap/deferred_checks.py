@@ -26,7 +26,7 @@ from enginetap.core.context import step_number
 from enginetap.core.jsonl import close_all
 from enginetap.engines.hf import HFEngine, Request
 from enginetap.engines.hf.arming import disarm
-from enginetap.tap import kernels
+from enginetap.tap.record import kernels
 from enginetap.tap.record.deferred import DeferredHashes
 from enginetap.tap.analysis.files import load_run
 

@@ -3,8 +3,8 @@ the Triton kernels against the torch reference, on the CPU through Triton's inte
 
 import torch
 
-from enginetap.tap import kernels
-from enginetap.tap.fingerprint import fingerprint, hash_rows
+from enginetap.tap.record import kernels
+from enginetap.tap.record.fingerprint import fingerprint, hash_rows
 from enginetap.tap.record.staging import StepStaging
 
 g = torch.Generator().manual_seed(0)

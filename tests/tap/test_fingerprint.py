@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginetap.tap.fingerprint import hash_rows, row_bytes, token_rows
+from enginetap.tap.record.fingerprint import hash_rows, row_bytes, token_rows
 from enginetap.tap.record.staging import StepStaging
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from enginetap.tap.fingerprint import fingerprint, hash_rows
+from enginetap.tap.record.fingerprint import fingerprint, hash_rows
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -29,7 +29,7 @@ def test_kernels_equal_the_reference_in_the_interpreter() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_on_cuda_equal_the_cpu_reference() -> None:
-    from enginetap.tap.kernels import hash_rows_kernel
+    from enginetap.tap.record.kernels import hash_rows_kernel
 
     x = torch.randn(3, 64, 5120).to(torch.bfloat16)
     got = hash_rows_kernel(x.cuda()).cpu()
@@ -40,7 +40,7 @@ def test_kernels_on_cuda_equal_the_cpu_reference() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pointer_table_kernel_on_cuda_equals_the_cpu_reference() -> None:
-    from enginetap.tap.kernels import hash_table_rows
+    from enginetap.tap.record.kernels import hash_table_rows
 
     parts = [torch.randn(70, 5120).to(torch.bfloat16), torch.randn(70, 8),
              torch.randn(70, 1030)[:, 6:]]

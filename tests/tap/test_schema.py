@@ -81,7 +81,7 @@ def test_the_schema_refuses_hashes_that_do_not_match() -> None:
 def test_the_analysis_imports_no_torch() -> None:
     """Reading, analysing and reporting tap runs happens offline: no torch, nothing of the
     recording side (a fresh interpreter, every module of the analysis package)."""
-    recording = ("enginetap.tap.record", "enginetap.tap.points", "enginetap.tap.fingerprint")
+    recording = ("enginetap.tap.record", "enginetap.tap.record.points", "enginetap.tap.record.fingerprint")
     code = ("import importlib, pkgutil, sys\n"
             "import enginetap.tap.analysis as a, enginetap.tap.schema\n"
             "for m in pkgutil.iter_modules(a.__path__):\n"

@@ -119,7 +119,7 @@ def test_detach_puts_the_tap_class_patches_back(tmp_path: Path) -> None:
     """After the compiled tap leaves (the tap still armed), an eager model of the same
     classes is tapped by the class wrappers again, KV points included."""
     from enginetap.engines.hf.arming import arm
-    from enginetap.tap.arming import TapInstall
+    from enginetap.tap.record.arming import TapInstall
 
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=tmp_path)
     try:

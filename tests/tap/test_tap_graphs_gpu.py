@@ -189,8 +189,8 @@ def test_graphs_mode_refuses_recurrent_models() -> None:
 
 @cuda
 def test_the_fixed_op_hash_equals_the_eager_hash_on_the_device() -> None:
-    from enginetap.tap.compiled import tap_hash_rows_fixed
-    from enginetap.tap.fingerprint import hash_rows
+    from enginetap.tap.record.compiled import tap_hash_rows_fixed
+    from enginetap.tap.record.fingerprint import hash_rows
 
     for dtype, width in ((torch.bfloat16, 40), (torch.float32, 40), (torch.float16, 40),
                          (torch.bfloat16, 3000), (torch.float32, 1500)):  # several blocks

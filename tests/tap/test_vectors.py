@@ -11,7 +11,7 @@ from safetensors import safe_open
 from enginetap.core.context import current_step
 from enginetap.core.patching import PatchSet
 from enginetap.engines.hf import HFEngine
-from enginetap.tap.fingerprint import hash_rows
+from enginetap.tap.record.fingerprint import hash_rows
 from enginetap.tap.analysis.pairs import find_pairs
 
 from .conftest import Recorder, requests

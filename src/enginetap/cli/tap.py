@@ -99,7 +99,7 @@ def run(
     tap = {"max_rows": max_rows, "depth": depth,
            **vector_options(out, vectors, vector_steps, vector_checkpoints, vector_requests)}
     if engine == "sglang":
-        from enginetap.engines.sglang.run import record_sglang_run
+        from enginetap.jobs.tap import record_sglang_run
 
         outputs = record_sglang_run(model, texts, out, batch_size=batch_size,
                                     max_new_tokens=max_new_tokens, tap=tap, dtype=dtype)

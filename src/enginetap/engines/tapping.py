@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from enginetap.core.patching import bind_arguments
-from enginetap.tap.recorder import TapRecorder
-from enginetap.tap.rows import FlatBatch
+from enginetap.tap.record import TapRecorder
+from enginetap.tap.record.rows import FlatBatch
 
 __all__ = ["StateCall", "logits_wrapper", "state_wrapper"]
 

@@ -305,7 +305,8 @@ def _run_sglang(job: CaptureJob, model_dir: Path, profile: Any, config: ArmConfi
                 run_dir: Path, on_engine: Callable[[Any], None] | None) -> Any:
     """``sglang.Engine`` in this process (radix cache on), its scheduler armed through
     ``ENGINETAP_CONFIG`` (SGLang's plugin entry point)."""
-    from enginetap.engines.sglang.run import SGLangDriver, start_engine, stop_engine
+    from enginetap.engines.sglang.run import start_engine, stop_engine
+    from enginetap.traffic.drivers import SGLangDriver
     from enginetap.traffic.runner import run_profile
 
     if job.tp > 1:

@@ -9,7 +9,6 @@ other batch sizes, TP sizes or on the other engine align request by request in
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +282,44 @@ def generate_batch(engine: Any, prompts: list[str], start: int, size: int, param
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def record_sglang_run(model: str, prompts: list[str], out: Path, *, batch_size: int = 8,
+                      max_new_tokens: int = 8, tap: dict[str, Any] | None = None,
+                      dtype: str = "auto") -> list[list[int]]:
+    """``enginetap tap run --engine sglang``: ``prompts`` through ``sglang.Engine`` in this
+    process, every SGLang process armed through ``ENGINETAP_CONFIG``
+    (``<out>/arming.json``); request ids are ``p<index>`` (SGLang keeps the caller's
+    ``rid``), so runs of the same prompts on the built-in engine or vLLM align request by
+    request in ``tap diff``. Greedy, radix cache off (identical prompts are computed), at
+    most ``batch_size`` requests at once (``dtype``: SGLang's, ``auto`` the model's);
+    returns the output tokens.
+
+    Raises:
+        ConfigError: SGLang is missing or another version, the model is not a folder of
+            an architecture enginetap covers on SGLang, or the tap options are invalid.
+    """
+    from enginetap.engines.sglang.launch import check_sglang, engine_kwargs
+    from enginetap.engines.sglang.run import check_engine, stop_engine
+
+    check_sglang()  # before the model is resolved (a built-in one is built)
+    model_dir = resolve_model(model)
+    check_engine(model_dir)
+    config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
+                       options={"tap": tap or {}, "step": {"record": False}})
+    arm_processes(write_arming(config, out / "arming.json"))
+    import sglang
+
+    engine = sglang.Engine(**engine_kwargs(model_dir, max_running_requests=batch_size,
+                                           tokenizer=True, dtype=dtype))
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    try:
+        outputs: list[list[int]] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start:start + batch_size]
+            done = engine.generate(prompt=chunk, sampling_params=params,
+                                   rid=[f"p{start + i}" for i in range(len(chunk))])
+            outputs.extend(list(d["output_ids"]) for d in done)
+        return outputs
+    finally:
+        stop_engine(engine)  # the scheduler exits in order: its writers flush

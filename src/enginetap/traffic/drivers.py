@@ -30,8 +30,8 @@ from enginetap.core import context
 from enginetap.errors import TrafficError
 from enginetap.traffic.prompts import PromptBuilder
 
-__all__ = ["BuiltinDriver", "Driver", "HTTPDriver", "Outcome", "Role", "ServerDriver",
-           "Submission", "VLLMDriver"]
+__all__ = ["BuiltinDriver", "Driver", "HTTPDriver", "Outcome", "Role", "SGLangDriver",
+           "SGLangHTTPDriver", "ServerDriver", "Submission", "VLLMDriver"]
 
 Role = Literal["request", "predecessor", "member", "arrival"]
 
@@ -294,3 +294,86 @@ class HTTPDriver(ServerDriver):
         details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
         return Outcome(s.key, list(choice.get("token_ids") or []), choice.get("finish_reason"),
                        started, time.time(), details.get("cached_tokens"))
+
+
+class SGLangHTTPDriver(ServerDriver):
+    """A running SGLang server at ``url`` as a traffic driver: SGLang's native
+    ``POST /generate`` with token ids (``input_ids``), greedy, the submission's key as the
+    request id (``rid``: SGLang keeps it, so the step records name the profile's requests),
+    ``POST /flush_cache`` between profiles.
+
+    Args:
+        url: the server's base URL, e.g. ``http://127.0.0.1:30000``.
+        max_context: the longest prompt plus output the server takes.
+        tokenizer / vocab_size: what prompts are built with (one of them).
+        timeout: seconds per HTTP request.
+    """
+
+    name = "sglang-http"
+    server = "SGLang server"
+    http_fix = "check the SGLang server log"
+    reset_failure = "SGLang did not flush its radix cache"
+
+    def __init__(self, url: str, *, max_context: int, tokenizer: Any = None,
+                 vocab_size: int | None = None, timeout: float = 600.0) -> None:
+        super().__init__(url, tokenizer=tokenizer, vocab_size=vocab_size, timeout=timeout)
+        self.max_context = max_context
+
+    def _reset_once(self) -> bool:
+        try:
+            self._post("/flush_cache", None)
+        except TrafficError:  # SGLang refuses while requests are running
+            return False
+        return True
+
+    def _one(self, s: Submission) -> Outcome:
+        started = time.time()
+        reply = self._post("/generate", {
+            "input_ids": s.prompt_ids, "rid": s.key,
+            "sampling_params": {"max_new_tokens": s.max_tokens, "temperature": 0.0,
+                                "ignore_eos": True}})
+        meta = reply.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        return Outcome(s.key, list(reply.get("output_ids") or []),
+                       reason.get("type") if isinstance(reason, dict) else reason,
+                       started, time.time(), meta.get("cached_tokens"))
+
+
+class SGLangDriver:
+    """``sglang.Engine`` in this process as a traffic driver (greedy, ``ignore_eos``): a
+    batch is one ``generate`` call with the submissions' keys as request ids (SGLang keeps
+    them, so step records and capture receipts name the profile's requests);
+    ``flush_cache`` between profiles."""
+
+    name = "sglang"
+
+    def __init__(self, engine: Any, max_context: int, vocab_size: int) -> None:
+        self.engine, self.max_context, self.vocab_size = engine, max_context, vocab_size
+
+    def prompts(self, seed: int) -> Any:
+        return PromptBuilder(seed, vocab_size=self.vocab_size)
+
+    def reset_prefix_cache(self, attempts: int = 40) -> None:
+        for _ in range(attempts):  # SGLang flushes only once its scheduler is idle
+            if getattr(self.engine.flush_cache(), "success", True) is not False:
+                return
+            time.sleep(0.25)
+        raise TrafficError("SGLang did not flush its radix cache",
+                           f"its scheduler was busy {attempts} times",
+                           "let running requests finish before the next profile")
+
+    def submit(self, batch: Any) -> list[Any]:
+        started = time.time()
+        params = [{"max_new_tokens": s.max_tokens, "temperature": 0.0, "ignore_eos": True}
+                  for s in batch]
+        done = self.engine.generate(input_ids=[s.prompt_ids for s in batch],
+                                    rid=[s.key for s in batch], sampling_params=params)
+        finished = time.time()
+        out = []
+        for s, d in zip(batch, done):
+            meta = d.get("meta_info") or {}
+            reason = meta.get("finish_reason")
+            out.append(Outcome(s.key, list(d["output_ids"]),
+                               reason.get("type") if isinstance(reason, dict) else reason,
+                               started, finished, meta.get("cached_tokens")))
+        return out

@@ -25,7 +25,8 @@ MAX_CONTEXT = 384
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from enginetap.config import ArmConfig
-    from enginetap.engines.sglang.server import SGLangHTTPDriver, SGLangServer
+    from enginetap.engines.sglang.server import SGLangServer
+    from enginetap.traffic.drivers import SGLangHTTPDriver
     from enginetap.models import build_model
     from enginetap.traffic import derive_mooncake
     from enginetap.traffic.runner import run_profile

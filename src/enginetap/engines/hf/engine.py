@@ -135,7 +135,7 @@ class HFEngine:
 
     def _use_graphs(self) -> None:
         """Decode by CUDA-graph replay (:mod:`enginetap.engines.hf.graphs`); an armed tap
-        hashes its checkpoints inside the graphs (:mod:`enginetap.tap.compiled`)."""
+        hashes its checkpoints inside the graphs (:mod:`enginetap.tap.record.compiled`)."""
         from enginetap.engines.hf.graphs import GraphDecoder
 
         if self.device.type != "cuda":
@@ -149,8 +149,8 @@ class HFEngine:
         """An armed tap's checkpoints moved into the compiled or captured decoder stack."""
         if self.arming is None:
             return None
-        from enginetap.tap.arming import TapInstall
-        from enginetap.tap.compiled import CompiledTap
+        from enginetap.tap.record.arming import TapInstall
+        from enginetap.tap.record.compiled import CompiledTap
 
         for installed in self.arming.installed:
             if isinstance(installed, TapInstall):
@@ -163,7 +163,7 @@ class HFEngine:
         backend's name, e.g. ``"aot_eager"``: the same kernels as eager), dynamic shapes
         from the start (one graph for every batch and length); the LM head and sampling
         stay eager. An armed tap moves its checkpoints into the compiled graph
-        (:mod:`enginetap.tap.compiled`)."""
+        (:mod:`enginetap.tap.record.compiled`)."""
         decoder = getattr(self.model, "model", None)
         if not isinstance(decoder, torch.nn.Module):
             raise ConfigError("cannot compile", f"{type(self.model).__name__} has no "

@@ -10,7 +10,7 @@ transformers' dense caches around the attention and gated-delta modules that own
   the step.
 
 The points ride on the sublayer wrapper of their module's class
-(:func:`~enginetap.tap.points.sublayer_wrapper` with ``around=``), so they are recorded
+(:func:`~enginetap.tap.record.points.sublayer_wrapper` with ``around=``), so they are recorded
 right after the module's output, in execution order. The cache rows a step reads are the
 same for every layer: their flat indices are built once per step on the host and sent in
 one copy; each layer then costs two gathers and one concatenation into its staging slot.
@@ -25,7 +25,7 @@ import torch
 
 from enginetap.core.scope import SCOPE, sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
-from enginetap.tap.points import sublayer_wrapper
+from enginetap.tap.record.points import sublayer_wrapper
 from enginetap.tap.record import TapRecorder
 
 __all__ = ["CachePoints", "tap_points"]

@@ -31,20 +31,12 @@ from typing import Any
 
 from enginetap.core.context import Step, StepRows
 from enginetap.core.patching import bind_arguments
+from enginetap.engines.sglang.probes.common import CURRENT, current_runner
 from enginetap.engines.steps import RunnerState, StepAdapter
 
 RUNNER = "sglang.srt.model_executor.model_runner:ModelRunner"
 
 __all__ = ["RUNNER", "SGLangStepAdapter", "current_runner", "read_step"]
-
-_CURRENT: list[Any] = [None]
-
-
-def current_runner() -> Any:
-    """The model runner whose step is being published (its KV and request pools), else
-    None."""
-    return _CURRENT[0]
-
 
 @dataclass
 class SGLangStepAdapter(StepAdapter, engine="SGLang", runner=RUNNER):
@@ -66,7 +58,7 @@ class SGLangStepAdapter(StepAdapter, engine="SGLang", runner=RUNNER):
         if step is None:
             return wrapped(*args, **kwargs)
         state.batch = batch
-        _CURRENT[0] = runner
+        CURRENT[0] = runner
         self._begin(state, step)
         try:
             return wrapped(*args, **kwargs)
@@ -84,7 +76,7 @@ class SGLangStepAdapter(StepAdapter, engine="SGLang", runner=RUNNER):
 
     def _cleared(self, state: RunnerState) -> None:
         state.batch = None
-        _CURRENT[0] = None
+        CURRENT[0] = None
 
 
 def _fill_sampled(step: Step, tokens: Any) -> None:

@@ -28,8 +28,8 @@ from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
 from enginetap.engines.sglang.runner import current_runner
 from enginetap.engines.tapping import StateCall, logits_wrapper, state_wrapper
-from enginetap.tap.recorder import TapRecorder
-from enginetap.tap.rows import FlatBatch
+from enginetap.tap.record import TapRecorder
+from enginetap.tap.record.rows import FlatBatch
 
 __all__ = ["ATTENTION", "GDN_DECODE", "GDN_EXTEND", "LOGITS", "tap_points"]
 
@@ -76,7 +76,7 @@ def _slot_bytes(pool: Any, layer_id: int, slots: torch.Tensor) -> torch.Tensor |
 
 
 def _kv_wrapper(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
-    from enginetap.tap.points import sublayer_wrapper
+    from enginetap.tap.record.points import sublayer_wrapper
 
     batch = FlatBatch()
     sublayer = sublayer_wrapper(recorder, names)  # RadixAttention is a sublayer too

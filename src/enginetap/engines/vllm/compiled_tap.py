@@ -8,7 +8,7 @@ class-level wrappers, so in the graph nothing of theirs runs. When the model is 
 
 - every module the eager wrappers name (``L3.attn.out``, ``L3.in``...) inside a
   compiled part of the model gets module hooks, which dynamo traces, calling the
-  registered op ``enginetap::tap_hash_rows`` (:mod:`enginetap.tap.compiled`) into its
+  registered op ``enginetap::tap_hash_rows`` (:mod:`enginetap.tap.record.compiled`) into its
   checkpoint's slot of a per-step buffer; step end reads the buffer once. Hashes and
   names are the eager ones, so ``tap diff`` compares compiled and eager runs;
 - the kernel-level points (KV rows, gated-delta states: :mod:`.tap`) run eagerly inside
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-import enginetap.tap.compiled  # noqa: F401  (registers enginetap::tap_hash_rows)
-from enginetap.tap.fingerprint import hash_rows
-from enginetap.tap.points import CheckpointNames, _hidden
-from enginetap.tap.recorder import TapRecorder, outputs_of
+import enginetap.tap.record.compiled  # noqa: F401  (registers enginetap::tap_hash_rows)
+from enginetap.tap.record.fingerprint import hash_rows
+from enginetap.tap.record.points import CheckpointNames, _hidden
+from enginetap.tap.record import TapRecorder, outputs_of
 
 __all__ = ["VLLMCompiledTap", "attach_compiled", "compiled_parts"]
 
@@ -60,7 +60,7 @@ def compiled_parts(model: Any) -> tuple[str | None, list[Any]]:
 def attach_compiled(installed: list[Any], model: Any) -> None:
     """Place every armed tap in ``installed`` into ``model``'s compiled parts (none: the
     eager wrappers record, as they do)."""
-    from enginetap.tap.arming import TapInstall
+    from enginetap.tap.record.arming import TapInstall
 
     taps = [tap for tap in installed if isinstance(tap, TapInstall)]
     mode, parts = compiled_parts(model) if taps else (None, [])

@@ -30,9 +30,8 @@ import torch
 from enginetap.core.patching import bind_arguments
 from enginetap.core.scope import SCOPE
 from enginetap.engines.tapping import StateCall, logits_wrapper, state_wrapper
-from enginetap.engines.vllm.compiled_tap import VLLMCompiledTap
-from enginetap.tap.recorder import TapRecorder
-from enginetap.tap.rows import FlatBatch
+from enginetap.tap.record import TapRecorder
+from enginetap.tap.record.rows import FlatBatch
 
 __all__ = ["ATTENTION", "GDN", "kernel_points", "tap_points"]
 
@@ -71,8 +70,8 @@ def _point(recorder: TapRecorder, name: str, rows: torch.Tensor, per_request: bo
     """Record ``rows`` (one per tapped row, or ``per_request``: one per tapped request,
     each tapped row then gets its request's) under ``name``: into the compiled model's tap
     buffer where vLLM compiles the model, else staged as eager checkpoints are."""
-    compiled = recorder.compiled
-    if isinstance(compiled, VLLMCompiledTap):
+    compiled = recorder.compiled  # vLLM's compiled model: a VLLMCompiledTap (.compiled_tap)
+    if compiled is not None and hasattr(compiled, "write_rows"):
         if per_request:
             rows = rows.index_select(0, torch.tensor(recorder.request_of_row,
                                                      dtype=torch.long, device=rows.device))

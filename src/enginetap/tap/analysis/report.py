@@ -81,7 +81,7 @@ def summary(analysis: Analysis) -> list[str]:
     lines = [f"tap run: engine {h.get('engine')} ({h.get('engine_version')}), "
              f"{h.get('world_size')} rank(s), models "
              f"{', '.join(str(m.get('model_type')) for m in h.get('models', []))}"]
-    if h.get("not_placed"):  # compiled / CUDA-graph runs (tap/compiled.py)
+    if h.get("not_placed"):  # compiled / CUDA-graph runs (tap/record/compiled.py)
         lines.append(f"not placed under {h.get('compiled')} (not recorded in this mode): "
                      f"{', '.join(h['not_placed'])}")
     if len(analysis.ranks) > 1:

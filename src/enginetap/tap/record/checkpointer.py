@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from enginetap.core.rowsplit import join_rows
-from enginetap.tap.fingerprint import token_rows
+from enginetap.tap.record.fingerprint import token_rows
 from enginetap.tap.record.deferred import DeferredHashes
 from enginetap.tap.record.staging import StepStaging
 
@@ -162,7 +162,7 @@ class Checkpointer:
         return len(staging.order) - 1
 
     def _deferred_for(self, source: torch.Tensor) -> DeferredHashes | None:
-        from enginetap.tap import kernels
+        from enginetap.tap.record import kernels
 
         found = None
         if kernels.available(source):

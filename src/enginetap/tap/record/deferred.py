@@ -1,11 +1,11 @@
 """Deferred checkpoints: hashed at step end, in place, by one kernel for the whole step.
 
-The staged path (:class:`~enginetap.tap.fingerprint.StepStaging`) costs one gather launch
+The staged path (:class:`~enginetap.tap.record.fingerprint.StepStaging`) costs one gather launch
 per checkpoint. On a GPU a decode step has hundreds of checkpoints, and those launches (and
 the host time around them) are most of what a tap costs. A deferred checkpoint instead
 keeps a reference to the tensor and its version counter; at step end one Triton kernel
 reads the tapped rows of every deferred tensor through a table of base pointers
-(:func:`enginetap.tap.kernels.hash_table_rows`). The hash is the same function of the
+(:func:`enginetap.tap.record.kernels.hash_table_rows`). The hash is the same function of the
 same bytes, so records do not say which path made them.
 
 That is only right if the bytes are still those the checkpoint saw. These rules make
@@ -152,7 +152,7 @@ class DeferredHashes:
     def keep_listed(self, names: list[str], tensors: list[torch.Tensor], addresses: list[int],
                     words: list[int], nbytes: int) -> int:
         """:meth:`keep` for many contiguous inference tensors at once (a quick step's
-        planned checkpoints, see :class:`~enginetap.tap.recorder.QuickPlan`; the caller
+        planned checkpoints, see :class:`~enginetap.tap.record.QuickPlan`; the caller
         checked their layout, that no name is demoted and that ``nbytes`` fits the
         budget): the slot of the first."""
         first = len(self.tensors)
@@ -196,7 +196,7 @@ class DeferredHashes:
         """``[deferred, rows]`` int64 hashes of rows ``index`` of every kept tensor, one
         launch; the references are dropped (the kernel is queued after the step's work on
         the same stream, so the caching allocator cannot hand their memory out before)."""
-        from enginetap.tap import kernels
+        from enginetap.tap.record import kernels
 
         if not self.tensors:
             return torch.zeros((0, index.numel()), dtype=torch.int64, device=self.device)

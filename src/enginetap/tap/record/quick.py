@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from enginetap.core.context import Step
-from enginetap.tap.fingerprint import token_rows
+from enginetap.tap.record.fingerprint import token_rows
 from enginetap.tap.record.checkpointer import _call_key, outputs_of
 from enginetap.tap.record.deferred import DeferredHashes
 

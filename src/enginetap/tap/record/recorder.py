@@ -26,8 +26,8 @@ from enginetap.tap.record.deferred import DeferredHashes
 from enginetap.tap.record.quick import QuickPlan, QuickSteps
 from enginetap.tap.record.staging import StepStaging
 from enginetap.tap.record.transfer import Transfer
-from enginetap.tap.rows import PrefixTracker, fill_late_lengths, row_records, select_rows
-from enginetap.tap.vectors import VectorDump
+from enginetap.tap.record.rows import PrefixTracker, fill_late_lengths, row_records, select_rows
+from enginetap.tap.record.vectors import VectorDump
 
 logger = logging.getLogger("enginetap.tap")
 
@@ -89,7 +89,7 @@ class TapRecorder(Checkpointer, QuickSteps, Transfer):
         """By step kind: the plan of its last quick step's list (see :class:`QuickPlan`)."""
         self.last_quick = False
         self.compiled: Any = None
-        """A compiled engine's checkpoints (:class:`~enginetap.tap.compiled.CompiledTap`),
+        """A compiled engine's checkpoints (:class:`~enginetap.tap.record.compiled.CompiledTap`),
         hashed in the graph and collected at step end."""
         self._clear()
 

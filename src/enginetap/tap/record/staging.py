@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from enginetap.tap.fingerprint import _words, word_weights
+from enginetap.tap.record.fingerprint import _words, word_weights
 
 __all__ = ["StepStaging"]
 
@@ -117,7 +117,7 @@ class StepStaging:
         return torch.cat(parts).index_select(0, order)
 
     def _hash_group(self, group: _Group) -> torch.Tensor:
-        from enginetap.tap import kernels
+        from enginetap.tap.record import kernels
 
         staged = group.buffer[:group.slots]
         if staged.is_cuda and kernels.available(staged):

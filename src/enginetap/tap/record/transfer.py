@@ -169,7 +169,7 @@ class Transfer:
             cuda_graphs=capturing(), eager=not capturing(),
             torch=torch.__version__, host=platform.node(),
         )
-        if self.compiled is not None:  # compiled / CUDA-graph tap (tap/compiled.py)
+        if self.compiled is not None:  # compiled / CUDA-graph tap (tap/record/compiled.py)
             header.update(self.compiled.header())
         self.sink.submit(lambda: header, -1)
         if step.extra.get("compiled") and self.compiled is None:

@@ -27,7 +27,8 @@ import torch
 
 from enginetap.capture.probe import Extracted, Probe, ProbeCall
 from enginetap.dataset.schema import Definition
-from enginetap.engines.sglang.probes.common import DTYPES, instantiate, single_rank
+from enginetap.engines.sglang.probes.common import (DTYPES, current_runner, instantiate,
+                                                   single_rank)
 
 __all__ = ["ATTENTION_PROBES", "ATTENTION_TARGETS"]
 
@@ -173,8 +174,6 @@ def _define_decode(call: ProbeCall) -> Definition | None:
 
 def _request_slots(call: ProbeCall) -> tuple[list[torch.Tensor], list[int]]:
     """Each request's KV slots (prefix and this step's tokens) and its sequence length."""
-    from enginetap.engines.sglang.runner import current_runner
-
     batch = call.args["forward_batch"]
     table = current_runner().req_to_token_pool.req_to_token
     lens = [int(x) for x in (batch.seq_lens_cpu if batch.seq_lens_cpu is not None
@@ -184,8 +183,6 @@ def _request_slots(call: ProbeCall) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def _pool(call: ProbeCall) -> tuple[torch.Tensor, torch.Tensor]:
-    from enginetap.engines.sglang.runner import current_runner
-
     pool = current_runner().token_to_kv_pool
     layer_id = call.instance.layer_id
     return pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)

@@ -1,13 +1,13 @@
 """Triton kernels for the tap's fingerprints, with the same hash as the torch reference.
 
 The hash of words ``x_j`` is ``sum_j x_j * w_j mod 2**64`` with ``w_j = (j + 1) * G | 1``
-(:func:`enginetap.tap.fingerprint.word_weights`). The torch path materialises the int64
+(:func:`enginetap.tap.record.fingerprint.word_weights`). The torch path materialises the int64
 words and the weights (three passes over eight bytes per word); the kernel computes the
 weights from the index in registers and reads each word once, which is what lets a
 whole-tensor fingerprint run near the device's read bandwidth.
 
 - :func:`hash_rows_kernel`: every row of a ``[rows, width]`` buffer at once, one launch
-  (the step's staged checkpoint rows, see :class:`~enginetap.tap.fingerprint.StepStaging`);
+  (the step's staged checkpoint rows, see :class:`~enginetap.tap.record.fingerprint.StepStaging`);
 - :func:`fingerprint_tensor`: one hash of a whole tensor's bytes in two launches (per-chunk
   partial sums with global word positions, then their sum): state and KV continuity;
 - :func:`hash_table_rows`: chosen rows of many tensors, read in place through a table of
@@ -28,7 +28,7 @@ import torch
 __all__ = ["available", "fingerprint_tensor", "hash_rows_kernel", "hash_table_rows"]
 
 GOLDEN_SIGNED = 0x9E3779B97F4A7C15 - (1 << 64)
-"""The weight multiplier of :func:`~enginetap.tap.fingerprint.word_weights` as an int64."""
+"""The weight multiplier of :func:`~enginetap.tap.record.fingerprint.word_weights` as an int64."""
 
 CHUNK_WORDS = 1 << 16
 """Words per program of the whole-tensor fingerprint (its partial sums: one per chunk)."""
@@ -85,7 +85,7 @@ if triton is not None:
 
 def _words(flat: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as 32-bit words where their count allows, else bytes
-    (the word size :func:`~enginetap.tap.fingerprint.hash_rows` uses)."""
+    (the word size :func:`~enginetap.tap.record.fingerprint.hash_rows` uses)."""
     if flat.shape[-1] * flat.element_size() % 4 == 0:
         return flat.view(torch.int32)
     return flat.view(torch.uint8)
@@ -93,7 +93,7 @@ def _words(flat: torch.Tensor) -> torch.Tensor:
 
 def hash_rows_kernel(rows: torch.Tensor) -> torch.Tensor:
     """``[..., width]`` rows (contiguous, any dtype) hashed per row: ``[...]`` int64, equal
-    to :func:`~enginetap.tap.fingerprint.hash_rows` of each row; one launch."""
+    to :func:`~enginetap.tap.record.fingerprint.hash_rows` of each row; one launch."""
     words = _words(rows)
     lead = words.shape[:-1]
     flat = words.reshape(-1, words.shape[-1])
@@ -122,7 +122,7 @@ def fingerprint_tensor(tensor: torch.Tensor) -> int:
 
 def hash_table_rows(table: torch.Tensor, index: torch.Tensor, max_words: int) -> torch.Tensor:
     """Rows ``index`` of every tensor listed in ``table`` hashed in place: ``[n, rows]``
-    int64, row ``r`` of tensor ``c`` equal to :func:`~enginetap.tap.fingerprint.hash_rows`
+    int64, row ``r`` of tensor ``c`` equal to :func:`~enginetap.tap.record.fingerprint.hash_rows`
     of ``tensor_c[index[r]]``. ``table`` is ``[3, n]`` int64 on the device: each tensor's
     base address (4-byte aligned), row stride and row width, both in 32-bit words;
     ``max_words`` bounds the widths (it picks the block size). One launch."""

@@ -11,7 +11,7 @@ the model is tapped through module hooks, which dynamo does trace, each calling
 the compiler keeps it in place and in order) that hashes the tapped rows of the
 sublayer output into its checkpoint's slot of a per-step buffer ``[slots, rows + 1]``
 (the last column flags the slots written this step). The hash is
-:func:`~enginetap.tap.fingerprint.hash_rows` on the rows :func:`token_rows` gives the
+:func:`~enginetap.tap.record.fingerprint.hash_rows` on the rows :func:`token_rows` gives the
 eager path, so records of eager and compiled runs diff against each other; step end
 brings the buffer to the host once.
 
@@ -20,7 +20,7 @@ Under CUDA graphs (the built-in engine's ``mode="graphs"``) the same hooks call
 captured shape and the tapped rows' index tensor is one static tensor per captured batch
 size (:meth:`CompiledTap.capturing`), refilled in place before each replay, so a replay
 does no host work per checkpoint. On CUDA the gather and hash are one Triton launch
-(:mod:`enginetap.tap.rowhash`). Index entries past the step's tapped rows repeat its
+(:mod:`enginetap.tap.record.rowhash`). Index entries past the step's tapped rows repeat its
 first row and are never read back: padding rows are never recorded.
 
 Kernel-level points (KV rows, recurrent state around the step) are read by the eager
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from enginetap.tap.fingerprint import _weights_from, _words, token_rows
-from enginetap.tap.points import CheckpointNames, _hidden
-from enginetap.tap.recorder import TapRecorder, outputs_of
-from enginetap.tap.rowhash import fused_hash
+from enginetap.tap.record.fingerprint import _weights_from, _words, token_rows
+from enginetap.tap.record.points import CheckpointNames, _hidden
+from enginetap.tap.record import TapRecorder, outputs_of
+from enginetap.tap.record.rowhash import fused_hash
 
 if TYPE_CHECKING:
-    from enginetap.tap.arming import TapInstall
+    from enginetap.tap.record.arming import TapInstall
 
 __all__ = ["CompiledTap", "tap_hash_rows", "tap_hash_rows_fixed"]
 
@@ -187,7 +187,7 @@ class CompiledTap:
         self._taken.clear()
         installed = self._installed
         if self._off and any(p.installed for p in installed.patches.patches):
-            from enginetap.tap.points import sublayer_wrapper  # the tap is still on
+            from enginetap.tap.record.points import sublayer_wrapper  # the tap is still on
 
             installed.patches.install_more(
                 (t, sublayer_wrapper(self.recorder, self._names)) for t in self._off)

@@ -1,6 +1,6 @@
 """One fused kernel per checkpoint on CUDA: gather the tapped rows and hash them.
 
-The graph tap's op (:mod:`enginetap.tap.compiled`) otherwise costs a handful of small
+The graph tap's op (:mod:`enginetap.tap.record.compiled`) otherwise costs a handful of small
 kernels per checkpoint (gather, widen, weights, multiply, sum, store, flag); inside a
 replayed CUDA graph their launches, not their bytes, are the tap's cost. This Triton
 kernel does it in one launch: program ``(r, c)`` reads block ``c`` of row ``index[r]``
@@ -8,8 +8,8 @@ as 32-bit words and adds ``sum(word * weight(j))`` in int64 (wrapping, as the to
 reference does; integer addition in any order gives the same sum) into ``out[r]``
 (atomically where a row has several blocks: the buffer is zeroed at step begin, see
 :meth:`CompiledTap.begin`); program ``(0, 0)`` sets the slot's flag.
-The weights are :func:`~enginetap.tap.fingerprint.word_weights`'s, so the hash equals
-:func:`~enginetap.tap.fingerprint.hash_rows` bit for bit. Used where Triton imports and
+The weights are :func:`~enginetap.tap.record.fingerprint.word_weights`'s, so the hash equals
+:func:`~enginetap.tap.record.fingerprint.hash_rows` bit for bit. Used where Triton imports and
 a row is whole 32-bit words; None otherwise (the caller takes the torch path).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from enginetap.tap.fingerprint import _GOLDEN
+from enginetap.tap.record.fingerprint import _GOLDEN
 
 __all__ = ["fused_hash"]
 

@@ -10,7 +10,7 @@ from enginetap.core.capability import ArmContext, InstallResult
 from enginetap.core.patching import PatchSet
 from enginetap.core.scope import ScopeUse
 from enginetap.tap.options import TapOptions
-from enginetap.tap.points import CheckpointNames, logits_wrapper, sublayer_wrapper
+from enginetap.tap.record.points import CheckpointNames, logits_wrapper, sublayer_wrapper
 from enginetap.tap.record import TapRecorder
 
 __all__ = ["TapInstall", "install"]

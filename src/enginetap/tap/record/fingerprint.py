@@ -2,7 +2,7 @@
 
 The recorder hashes staged rows (:mod:`enginetap.tap.record.staging`) and tensors kept
 until step end (:mod:`enginetap.tap.record.deferred`) with this function; the compiled
-tap (:mod:`enginetap.tap.compiled`) inside the graph. Here: the reference, the weights and
+tap (:mod:`enginetap.tap.record.compiled`) inside the graph. Here: the reference, the weights and
 the whole-tensor hash.
 
 The hash of a row of 32-bit words ``x_j`` is ``sum_j x_j * w_j mod 2**64`` with odd
@@ -66,9 +66,9 @@ def hash_rows(rows: torch.Tensor) -> torch.Tensor:
 def fingerprint(tensor: torch.Tensor, chunk: int = 1 << 22) -> int:
     """One hash of all of ``tensor``'s bytes (``hash_rows`` of it as one row): a whole
     recurrent state or KV cache, compared between steps. On CUDA one Triton kernel near
-    read bandwidth (:mod:`enginetap.tap.kernels`); elsewhere torch, ``chunk`` words at a
+    read bandwidth (:mod:`enginetap.tap.record.kernels`); elsewhere torch, ``chunk`` words at a
     time."""
-    from enginetap.tap import kernels
+    from enginetap.tap.record import kernels
 
     if kernels.available(tensor):
         return kernels.fingerprint_tensor(tensor)
