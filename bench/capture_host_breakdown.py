@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_capture as bc  # noqa: E402
 
-from enginetap.capture import copy as capture_copy  # noqa: E402
+from enginetap.capture.writers import copy as capture_copy  # noqa: E402
 from enginetap.capture import calls, runtime, writers  # noqa: E402
 from enginetap.core import scope  # noqa: E402
 from enginetap.engines.hf.probes import attention  # noqa: E402

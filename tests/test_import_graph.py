@@ -52,9 +52,6 @@ FOLDER_EDGES_ALLOWED: set[tuple[str, str]] = {
     # runner.current_runner) while its worker loads the probes' lock: a circle of
     # engines/sglang/ and its probes/; the lead empties this list at merge.
     ("enginetap.engines.sglang.probes", "enginetap.engines.sglang"),
-    # issue 28: capture/writers/ takes copy, pinned and provenance from capture/, whose
-    # runtime, child and calls use the writers: a circle of capture/ and writers/.
-    ("enginetap.capture.writers", "enginetap.capture"),
 }
 """Folder edges (importer, imported) left out of the circle check while being fixed."""
 

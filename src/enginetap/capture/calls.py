@@ -22,7 +22,7 @@ from typing import Any
 from enginetap.capture.labels import RequestLabels
 from enginetap.capture.options import CaptureOptions
 from enginetap.capture.probe import Extracted, Probe, ProbeCall
-from enginetap.capture.provenance import Facts, PendingReceipt, Provenance
+from enginetap.capture.writers.provenance import Facts, PendingReceipt, Provenance
 from enginetap.capture.selection import Selector
 from enginetap.capture.writers import CaptureWriter, Item
 from enginetap.core.context import current_step
