@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from enginetap.capture import copy as capture_copy
+from enginetap.capture.writers import copy as capture_copy
 from enginetap.config import ArmConfig
 from enginetap.core.context import _CTX, subscribe, unsubscribe
 from enginetap.engines.hf import HFEngine, Request
@@ -566,7 +566,7 @@ def writer_throughput(workloads: int, rows: int, width: int) -> tuple[float, flo
     """Workloads/s through the capture writer vs plain safetensors files, same bytes."""
     from safetensors.torch import save_file
 
-    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.writers.copy import HostCopies
     from enginetap.capture.writers import Item, ThreadWriter
     from enginetap.dataset import Dataset
     from enginetap.dataset.schema import Receipt

@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_capture as bc  # noqa: E402
 
-from enginetap.capture import copy as capture_copy  # noqa: E402
-from enginetap.capture import calls, provenance, runtime, writers  # noqa: E402
+from enginetap.capture.writers import copy as capture_copy  # noqa: E402
+from enginetap.capture import calls, runtime, writers  # noqa: E402
 from enginetap.core import scope  # noqa: E402
 from enginetap.engines.hf.probes import attention  # noqa: E402
 
@@ -71,7 +71,7 @@ def install_timers() -> None:
     of_groups = capture_copy.HostCopies.of_groups.__func__
     capture_copy.HostCopies.of_groups = classmethod(_timed(of_groups, "copies"))
     _time(calls, "bind_arguments", "bind")
-    _time(provenance.Provenance, "facts", "facts")
+    _time(calls, "receipt_facts", "facts")
     _time(writers.CaptureWriter, "submit", "submit")
     for name in ("_prepare", "_finish"):
         _time(calls.ProbeCalls, name, name.lstrip("_"))

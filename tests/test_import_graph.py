@@ -39,18 +39,10 @@ LAYERS: list[tuple[str, ...]] = [
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
 """(module, imported) pairs that point upward today and are being moved."""
 
-FOLDER_EDGES_ALLOWED: set[tuple[str, str]] = {
-    # issue 28: capture/writers/ takes copy, pinned and provenance from capture/, whose
-    # runtime, child and calls use the writers: a circle of capture/ and writers/.
-    ("enginetap.capture.writers", "enginetap.capture"),
-}
+FOLDER_EDGES_ALLOWED: set[tuple[str, str]] = set()
 """Folder edges (importer, imported) left out of the circle check while being fixed."""
 
-MODULE_CIRCLES_ALLOWED: set[frozenset[str]] = {
-    # issue 28 (the lead empties this list at merge): explain_verdict takes ExplainResult
-    # from explain, which calls the verdict.
-    frozenset({"enginetap.jobs.explain", "enginetap.jobs.explain_verdict"}),
-}
+MODULE_CIRCLES_ALLOWED: set[frozenset[str]] = set()
 """Module circles (deferred imports counted) left in while being fixed."""
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from enginetap.capture import copy as capture_copy
+from enginetap.capture.writers import copy as capture_copy
 from enginetap.config import ArmConfig
 from enginetap.core.context import subscribe, unsubscribe
 from enginetap.dataset import Dataset, validate_dataset

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginetap.capture.pinned import ALIGN, PinnedRing
+from enginetap.capture.writers.pinned import ALIGN, PinnedRing
 
 
 def _ring(blocks: int) -> PinnedRing:
@@ -56,8 +56,8 @@ def test_tensors_taken_from_a_region_hold_their_bytes() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copies_land_in_the_ring_and_give_it_back() -> None:
-    from enginetap.capture.copy import HostCopies
-    from enginetap.capture.pinned import ring_for
+    from enginetap.capture.writers.copy import HostCopies
+    from enginetap.capture.writers.pinned import ring_for
 
     x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
     ids = torch.arange(7, device="cuda", dtype=torch.int32)
@@ -75,7 +75,7 @@ def test_cuda_copies_land_in_the_ring_and_give_it_back() -> None:
 def test_cuda_copies_keep_the_bytes_the_engine_overwrites_next() -> None:
     # The copies are queued on the engine's stream without waiting: an engine that writes
     # its tensor right after the capture must not change what was captured.
-    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.writers.copy import HostCopies
 
     x = torch.randn(2048, 4096, device="cuda")
     before = x.cpu()
@@ -93,8 +93,8 @@ def test_a_shared_ring_is_seen_by_another_mapping_and_messages_round_trip() -> N
     no room travels in the payload; scalars travel as they are."""
     import mmap
 
-    from enginetap.capture.copy import HostCopies
-    from enginetap.capture.pinned import shared_ring
+    from enginetap.capture.writers.copy import HostCopies
+    from enginetap.capture.writers.pinned import shared_ring
     from enginetap.capture.writers.wire import describe_values, rebuild_values
 
     ring = shared_ring(4 * ALIGN, pin=False)
@@ -125,8 +125,8 @@ def test_one_workloads_groups_share_one_region_given_back_with_the_first() -> No
     """Inputs, outputs and checks of one workload: one reservation holds all three groups,
     laid end to end; the region rides on the first group's copies, so giving the
     workload back (every group released) frees the ring once."""
-    from enginetap.capture.copy import HostCopies
-    from enginetap.capture.pinned import shared_ring
+    from enginetap.capture.writers.copy import HostCopies
+    from enginetap.capture.writers.pinned import shared_ring
 
     ring = shared_ring(8 * ALIGN, pin=False)
     gen = torch.Generator().manual_seed(1)
@@ -151,7 +151,7 @@ def test_one_workloads_groups_share_one_region_given_back_with_the_first() -> No
 def test_a_shared_ring_that_cuda_cannot_pin_is_used_unpinned(monkeypatch, caplog) -> None:
     """Where registering the shared ring with CUDA fails, the ring still works (device
     copies into it then wait), and the log says why."""
-    from enginetap.capture import pinned
+    from enginetap.capture.writers import pinned
 
     def refuse():
         raise RuntimeError("no cudart binding in this build")
@@ -174,7 +174,7 @@ def test_the_process_writer_keeps_a_refused_workload_until_its_refusal_is_read(t
     two race."""
     import time
 
-    from enginetap.capture.pinned import set_control
+    from enginetap.capture.writers.pinned import set_control
     from enginetap.capture.writers import ProcessWriter
     from enginetap.capture.writers.wire import DONE_WORD, REFUSALS_WORD
 
@@ -217,7 +217,7 @@ class _FailedDevice:
 def test_a_device_error_in_a_copy_stops_capture_and_says_so(tmp_path, writer) -> None:
     """A copy whose device failed never lands: the writer does not wait for it forever or
     die with a traceback; capture stops with the device's error, the workload dropped."""
-    from enginetap.capture.copy import HostCopies
+    from enginetap.capture.writers.copy import HostCopies
     from enginetap.capture.writers import Item, ProcessWriter, ThreadWriter
     from enginetap.dataset import Dataset
     from enginetap.definitions import get_template

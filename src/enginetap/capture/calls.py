@@ -21,8 +21,8 @@ from typing import Any
 
 from enginetap.capture.labels import RequestLabels
 from enginetap.capture.options import CaptureOptions
-from enginetap.capture.probe import Probe, ProbeCall
-from enginetap.capture.provenance import PendingReceipt, Provenance
+from enginetap.capture.probe import Extracted, Probe, ProbeCall
+from enginetap.capture.writers.provenance import Facts, PendingReceipt, Provenance
 from enginetap.capture.selection import Selector
 from enginetap.capture.writers import CaptureWriter, Item
 from enginetap.core.context import current_step
@@ -32,7 +32,24 @@ from enginetap.dataset.schema import Definition
 
 logger = logging.getLogger("enginetap.capture")
 
-__all__ = ["ProbeCalls"]
+__all__ = ["ProbeCalls", "receipt_facts"]
+
+
+def receipt_facts(call: ProbeCall, extracted: Extracted, variant: tuple) -> Facts:
+    """What the receipt needs from the call, taken now (cheap: numbers and strings; no
+    reference to the engine's tensors survives the call)."""
+    step = call.step
+    if extracted.rows is None:  # every row: the same keys for every workload of the step
+        keys = list(step.memo("capture.keys", lambda: list(dict.fromkeys(step.rows.keys))))
+        count = len(step.rows)
+    else:
+        keys = list(dict.fromkeys(step.rows.keys[i] for i in extracted.rows))
+        count = len(extracted.rows)
+    declared = call.definition.outputs if call.definition is not None else {}
+    return Facts(step.step, step.mode, keys, call.layer, call.probe.name,
+                 call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
+                 variant, count, len(step.rows), list(extracted.notes),
+                 [name for name in declared if name not in extracted.outputs])
 
 
 class ProbeCalls:
@@ -114,7 +131,7 @@ class ProbeCalls:
                 return
             if self.writer is None:  # other ranks took part in the gathers; rank 0 writes
                 return
-            facts = self.provenance.facts(call, extracted, variant)
+            facts = receipt_facts(call, extracted, variant)
             ring = self.options.budget_bytes  # the pinned ring holds what the budget allows
             groups = [extracted.inputs, extracted.outputs]
             if extracted.checks:

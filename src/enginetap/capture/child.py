@@ -28,9 +28,9 @@ from typing import IO, Any
 
 import torch
 
-from enginetap.capture.copy import HostCopies
-from enginetap.capture.pinned import CONTROL_BYTES, set_control
-from enginetap.capture.provenance import Facts, Provenance
+from enginetap.capture.writers.copy import HostCopies
+from enginetap.capture.writers.pinned import CONTROL_BYTES, set_control
+from enginetap.capture.writers.provenance import Facts, Provenance
 from enginetap.capture.writers import Item, ThreadWriter
 from enginetap.capture.writers.wire import (DONE_WORD, REFUSALS_WORD, read_frame,
                                             rebuild_values, write_frame)

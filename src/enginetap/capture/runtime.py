@@ -20,7 +20,7 @@ from enginetap.capture.calls import ProbeCalls
 from enginetap.capture.labels import RequestLabels
 from enginetap.capture.options import CaptureOptions
 from enginetap.capture.probe import Probe
-from enginetap.capture.provenance import Provenance, model_identity
+from enginetap.capture.writers.provenance import Provenance, model_identity
 from enginetap.capture.selection import Selector
 from enginetap.capture.summary import CaptureSummary
 from enginetap.capture.writers import CaptureWriter, ProcessWriter, ThreadWriter

@@ -22,39 +22,14 @@ import logging
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from enginetap.errors import ConfigError
+from enginetap.jobs.explain_result import ExplainResult
 from enginetap.tap.analysis.culprit import Culprit, Side, recheck
 
 __all__ = ["ExplainResult", "explain"]
-
-
-@dataclass
-class ExplainResult:
-    culprit: Culprit
-    op: str
-    definition: str
-    verdict: str
-    evidence: list[str] = field(default_factory=list)
-    repro: Path | None = None
-    workloads: int = 0
-    kind: str = ""
-    """``upstream``, ``batch-variant``, ``nondeterministic``, ``wrong-row``, ``after-op``
-    (the probed op agrees; an unprobed op after it in the module differs) or ``none``
-    (not reproduced)."""
-    records: list[Any] = field(default_factory=list, repr=False)
-    """The calls made again (:class:`~enginetap.jobs.explain_verdict.Config`)."""
-    candidates: list[str] = field(default_factory=list)
-    """What each ``--solution`` did on the calls made again."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"finding": self.culprit.describe(), "op": self.op, "definition": self.definition,
-                "kind": self.kind, "verdict": self.verdict, "evidence": self.evidence,
-                "repro": str(self.repro) if self.repro else None, "workloads": self.workloads,
-                "candidates": self.candidates}
 
 
 def explain(culprit: Culprit, out: Path, *, device: str | None = None,

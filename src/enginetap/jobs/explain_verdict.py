@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from enginetap.jobs.explain import ExplainResult
 from enginetap.jobs.explain_calls import Caught, call_again, first_tensor
 from enginetap.jobs.explain_layout import Layout, common_rows, pick_slice, request_inputs
+from enginetap.jobs.explain_result import ExplainResult
 from enginetap.tap.analysis.culprit import Culprit
 
 __all__ = ["judge", "side_output", "write_repro"]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from enginetap.capture.copy import HostCopies
+from enginetap.capture.writers.copy import HostCopies
 from enginetap.dataset.schema import Definition, Receipt
 
 __all__ = ["CaptureWriter", "Item", "WriterStats"]

@@ -36,8 +36,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from enginetap.capture.copy import HostCopies
-from enginetap.capture.pinned import shared_ring
+from enginetap.capture.writers.copy import HostCopies
+from enginetap.capture.writers.pinned import shared_ring
 from enginetap.capture.writers.base import CaptureWriter, Item, WriterStats
 from enginetap.capture.writers.wire import (DONE_WORD, REFUSALS_WORD, WorkloadEncoder, frame,
                                             read_frame, widen_pipe)

@@ -19,8 +19,8 @@ from typing import IO, Any
 import orjson
 import torch
 
-from enginetap.capture.pinned import PinnedRing
-from enginetap.capture.provenance import PendingReceipt
+from enginetap.capture.writers.pinned import PinnedRing
+from enginetap.capture.writers.provenance import PendingReceipt
 from enginetap.capture.writers.base import Item
 from enginetap.dataset.blobs import byte_view
 from enginetap.dataset.dtypes import name_of, torch_dtype

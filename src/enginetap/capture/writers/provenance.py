@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from enginetap import __version__
-from enginetap.capture.probe import Extracted, ProbeCall
 from enginetap.dataset.schema import Receipt
 
 __all__ = ["ENV_PREFIXES", "Facts", "PendingReceipt", "Provenance", "model_identity"]
@@ -63,22 +62,6 @@ class Provenance:
         made.rank, made.world_size = state["rank"], state["world_size"]
         made.model, made.static = state["model"], state["static"]
         return made
-
-    def facts(self, call: ProbeCall, extracted: Extracted, variant: tuple) -> Facts:
-        """What the receipt needs from the call, taken now (cheap: numbers and strings;
-        no reference to the engine's tensors survives the call)."""
-        step = call.step
-        if extracted.rows is None:  # every row: the same keys for every workload of the step
-            keys = list(step.memo("capture.keys", lambda: list(dict.fromkeys(step.rows.keys))))
-            count = len(step.rows)
-        else:
-            keys = list(dict.fromkeys(step.rows.keys[i] for i in extracted.rows))
-            count = len(extracted.rows)
-        declared = call.definition.outputs if call.definition is not None else {}
-        return Facts(step.step, step.mode, keys, call.layer, call.probe.name,
-                     call.probe.target or f"*{call.probe.suffix}.{call.probe.method}",
-                     variant, count, len(step.rows), list(extracted.notes),
-                     [name for name in declared if name not in extracted.outputs])
 
     def receipt(self, facts: Facts, labels: dict[str, dict[str, Any]]) -> Receipt:
         """The workload's receipt (built on the writer thread)."""

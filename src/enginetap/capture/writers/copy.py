@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from enginetap.capture.pinned import ALIGN, PinnedRing, Region, ring_for
+from enginetap.capture.writers.pinned import ALIGN, PinnedRing, Region, ring_for
 
 __all__ = ["STATS", "CopyStats", "HostCopies", "host_copy"]
 
