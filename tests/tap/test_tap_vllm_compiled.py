@@ -22,9 +22,9 @@ import pytest
 from typer.testing import CliRunner
 
 from enginetap.cli.main import app
-from enginetap.tap.continuity import check_continuity, check_metadata
-from enginetap.tap.files import load_run
-from enginetap.tap.pairs import find_pairs
+from enginetap.tap.analysis.continuity import check_continuity, check_metadata
+from enginetap.tap.analysis.files import load_run
+from enginetap.tap.analysis.pairs import find_pairs
 from tests.pairwise import side_by_side
 
 HERE = Path(__file__).parent
