@@ -81,7 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.faults:
         install_faults()
-    engine = base.make_llm(args.model, 1, compiled=not args.eager).llm_engine
+    engine = base.make_llm(args.model, 1, enforce_eager=args.eager, max_model_len=256,
+                           max_num_batched_tokens=256, enable_prefix_caching=False).llm_engine
     texts = base.prompts()
     report: dict[str, Any] = {}
     for phase in args.phases.split(","):

@@ -82,7 +82,7 @@ class VLLMHooks(ServingHooks):
         super().__init__()
         self.runner_kind = runner_kind
         self.engine = f"vLLM worker ({runner_kind.upper()} runner)"
-        self._loading = weights_loaded_patch("vllm-model-loaded", self._loaded,
+        self._loading = weights_loaded_patch("vllm-model-loaded", self._weights_loaded,
                                              before_processing=False)
 
     def install(self) -> VLLMHooks:
@@ -92,7 +92,7 @@ class VLLMHooks(ServingHooks):
     def uninstall(self) -> None:
         self._loading.uninstall()
 
-    def _loaded(self, model: Any) -> None:
+    def _weights_loaded(self, model: Any) -> None:
         self.model_loaded(model)
         arming = _PROCESS.arming
         if arming is not None:  # before vLLM's warm-up traces it (compiled mode)
