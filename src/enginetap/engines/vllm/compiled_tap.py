@@ -142,6 +142,11 @@ class VLLMCompiledTap:
         if self.recorder.compiled is self:
             self.recorder.compiled = None
 
+    def header(self) -> dict[str, Any]:
+        """What the tap file's header says of this mode (vLLM's compilation mode; the
+        checkpoints not placed), read at the first step."""
+        return {"compiled": self.mode, "eager": False, "not_placed": self.not_placed}
+
     @property
     def not_placed(self) -> list[str]:
         """Checkpoints of tapped modules whose hooks vLLM never traced (read once the
