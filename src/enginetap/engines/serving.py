@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -23,7 +24,7 @@ from enginetap.core.scope import SublayerSpec, sublayer_targets
 __all__ = ["ProcessArming", "ServingHooks"]
 
 
-class ServingHooks(EngineHooks):
+class ServingHooks(EngineHooks, ABC):
     """Hooks of an engine whose processes we arm; an engine names its sublayers, its TP
     group and its probe lock, and adds its step source and tap points."""
 
@@ -52,9 +53,9 @@ class ServingHooks(EngineHooks):
     def tp_group(self) -> Any:
         return type(self).group()
 
+    @abstractmethod
     def probe_lock(self) -> ProbeLock:
         """The engine's probe table and its shipped drift lock."""
-        raise NotImplementedError
 
     def capture_probes(self) -> list[Any]:
         """The probes whose sources still match the shipped capture drift lock; a drifted

@@ -21,6 +21,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -165,7 +166,7 @@ class VLLMDriver:
         return [done[s.key] for s in batch]
 
 
-class ServerDriver:
+class ServerDriver(ABC):
     """What the drivers of a running HTTP server share: prompts built with its tokenizer
     (or vocabulary size), JSON POSTs, a batch posted from a thread pool (one request per
     submission, :meth:`_one`) and a cache reset retried while the server refuses it
@@ -226,12 +227,13 @@ class ServerDriver:
         raise TrafficError(self.reset_failure, f"it refused {attempts} times",
                            "let running requests finish")
 
+    @abstractmethod
     def _reset_once(self) -> bool:
         """One reset request; whether the server did it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _one(self, s: Submission) -> Outcome:
-        raise NotImplementedError
+        """Send one submission and wait for its outcome."""
 
     def submit(self, batch: Sequence[Submission]) -> list[Outcome]:
         with ThreadPoolExecutor(max_workers=max(1, len(batch))) as pool:
