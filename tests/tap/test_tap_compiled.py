@@ -115,6 +115,69 @@ def test_moe_and_hybrid_models_compile_armed_and_equal_eager(run: Run, model: st
     assert result.rows_compared > 0 and result.rows_diverged == 0 and result.first is None
 
 
+def _overwrite_after(monkeypatch: pytest.MonkeyPatch, at_step: int, write: Any) -> None:
+    """After step ``at_step`` sampled (still inside it), ``write(cache)``: a cache row
+    changed between steps, outside the compiled graph, as a stray kernel would."""
+    original = HFEngine._advance
+
+    def advance(self: HFEngine, seqs: Any, logits: Any, cache: Any, mask: Any) -> Any:
+        result = original(self, seqs, logits, cache, mask)
+        if self.steps == at_step:
+            write(cache)
+        return result
+
+    monkeypatch.setattr(HFEngine, "_advance", advance)
+
+
+def _named_at_first_reader(clean: TapRun | None, faulted: TapRun | None,
+                           where: tuple[str, int, str], agreeing: str) -> None:
+    """The diff against the clean eager run names the first checkpoint that read the
+    overwritten row (the cache points are not placed in this mode), for that request
+    only, with the checkpoint's input agreeing: the cache was wrong, not the kernel."""
+    assert clean is not None and faulted is not None
+    (result,) = diff_runs(clean, faulted)
+    first = result.first
+    assert first is not None
+    assert (first.key, first.step_a, first.checkpoint) == where
+    assert set(result.per_request) == {where[0]}
+    step = next(s for s in faulted.rank(0).steps if s.step == where[1])
+    ref = next(s for s in clean.rank(0).steps if s.step == where[1])
+    row = next(i for i, r in enumerate(step.rows) if r["key"] == where[0])
+    ref_row = next(i for i, r in enumerate(ref.rows) if r["key"] == where[0])
+    assert step.hashes[step.checkpoints.index(agreeing)][row] == \
+        ref.hashes[ref.checkpoints.index(agreeing)][ref_row]
+
+
+def test_an_overwritten_kv_row_is_named_in_compile_mode(run: Run,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After step 1, r1's newest layer-0 key lands in r0's row of the cache: step 2's
+    layer-0 attention of r0 (and only r0) reads it."""
+    _, clean = run("llama")
+
+    def write(cache: Any) -> None:
+        keys = cache.layers[0].keys
+        keys[0, :, -1].copy_(keys[1, :, -1])
+
+    _overwrite_after(monkeypatch, 1, write)
+    _, faulted = run("llama", compile="aot_eager")
+    _named_at_first_reader(clean, faulted, ("r0", 2, "L0.attn.out"), "L0.in_norm.out")
+
+
+def test_an_overwritten_state_slot_is_named_in_compile_mode(
+        run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After step 2, r2's layer-1 recurrent state lands in r1's slot: step 3's layer-1
+    gated delta rule of r1 (and only r1) reads it."""
+    _, clean = run("qwen3_next")
+
+    def write(cache: Any) -> None:
+        states = cache.layers[1].recurrent_states[0]
+        states[1].copy_(states[2])
+
+    _overwrite_after(monkeypatch, 2, write)
+    _, faulted = run("qwen3_next", compile="aot_eager")
+    _named_at_first_reader(clean, faulted, ("r1", 3, "L1.gdn.out"), "L1.in_norm.out")
+
+
 def test_detach_puts_the_tap_class_patches_back(tmp_path: Path) -> None:
     """After the compiled tap leaves (the tap still armed), an eager model of the same
     classes is tapped by the class wrappers again, KV points included."""
