@@ -3,20 +3,24 @@
 An adapter patches its engine's runner, keeps bookkeeping per runner beside it (never on
 it), publishes a :class:`~enginetap.core.context.Step` when the forward of a real step
 begins, ends it when the sampler returned for it and abandons it (no end listeners)
-otherwise. If reading a step ever fails, the adapter logs it and calls ``on_failure``
-(default: its own :meth:`StepAdapter.uninstall`): a step context that cannot be trusted is
-no step context. Each engine's adapter says when its steps begin and end.
+otherwise. A begun step dropped for a reason other than the engine's own (its sampler
+raised, disarming, the process ending before its sampler returned: vLLM waits only for
+its output rank, so it can stop another rank mid-step at shutdown) is logged with its
+number, never dropped silently. If reading a step ever fails, the adapter logs it and
+calls ``on_failure`` (default: its own :meth:`StepAdapter.uninstall`): a step context
+that cannot be trusted is no step context. Each engine's adapter says when its steps begin and end.
 """
 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from weakref import WeakKeyDictionary
 
-from enginetap.core import context
+from enginetap.core import context, shutdown
 from enginetap.core.context import Step, publish
 from enginetap.core.patching import PatchSet
 
@@ -36,7 +40,7 @@ class RunnerState:
 
 
 @dataclass
-class StepAdapter:
+class StepAdapter(ABC):
     """Publishes one :class:`Step` per real step of every runner of one engine here."""
 
     rank: int = 0
@@ -59,9 +63,9 @@ class StepAdapter:
         for method, wrapper in self.wrappers().items():
             self.patches.add(f"{self.runner}.{method}", wrapper)
 
+    @abstractmethod
     def wrappers(self) -> dict[str, Callable[..., Any]]:
         """The wrapper of each patched method of the runner, by the method's name."""
-        raise NotImplementedError
 
     def install(self) -> StepAdapter:
         """Install the runner patches (now, or when the runner module is imported).
@@ -70,13 +74,19 @@ class StepAdapter:
             PatchError: the installed engine's runner lacks one of the patched methods.
         """
         self.patches.install()
+        shutdown.on_exit(self._at_exit, signals=False)
         return self
 
     def uninstall(self) -> None:
-        """Remove the patches; a step in flight is abandoned."""
+        """Remove the patches; a step in flight is abandoned (and logged)."""
+        shutdown.forget(self._at_exit)
         self.patches.uninstall()
         for state in list(self._states.values()):
-            self._abandon(state)
+            self._abandon(state, "enginetap disarmed while it ran")
+
+    def _at_exit(self) -> None:
+        for state in list(self._states.values()):
+            self._abandon(state, "the process ended before its sampler returned")
 
     def _read(self, read: Callable[[], Step]) -> Step | None:
         """``read()``, or None after disarming when it failed (ours, not the engine's)."""
@@ -98,8 +108,10 @@ class StepAdapter:
         when the sampler returned and is abandoned when it raised."""
         try:
             result = wrapped(*args, **kwargs)
-        except BaseException:
-            self._abandon(state)
+        except BaseException as exc:
+            ending = isinstance(exc, (SystemExit, KeyboardInterrupt))
+            self._abandon(state, f"its sampler raised {type(exc).__name__}"
+                          + (" (the process is ending)" if ending else ""))
             raise
         active, state.active = state.active, None
         self._cleared(state)
@@ -109,10 +121,15 @@ class StepAdapter:
         active.__exit__(None, None, None)
         return result
 
-    def _abandon(self, state: RunnerState) -> None:
-        """Drop a begun step without end listeners: it never sampled, so it is not real."""
+    def _abandon(self, state: RunnerState, why: str = "") -> None:
+        """Drop a begun step without end listeners: it never sampled, so it is not real.
+        ``why``: the reason, when it is not the engine's own (logged with the step)."""
         if state.active is None:
             return
+        if why:
+            logging.getLogger(f"enginetap.{self.engine.lower()}").warning(
+                "enginetap: %s step %d on rank %d was not recorded: %s", self.engine,
+                state.active.step.step, self.rank, why)
         state.active = None
         self._cleared(state)
         context.abandon()
