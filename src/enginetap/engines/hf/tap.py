@@ -52,22 +52,33 @@ def _factory(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 
 
 class CachePoints:
-    """Reads a module's cache rows before and after its forward, for one recorder."""
+    """Reads a module's cache rows before and after its forward, for one recorder.
+
+    Runs once per attention (gated-delta) layer per step, so what does not change between
+    calls is looked up once: a module's point names and cache layer index (on first
+    sight), the step's cache-row indices (on the step's first layer)."""
 
     def __init__(self, recorder: TapRecorder) -> None:
         self.recorder = recorder
+        self._points: dict[str, _Points] = {}
         self._step: Any = None
         self._index: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def before(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
         if kind == "gdn":
-            self._states(name, module, hidden, kwargs, "before")
+            self._states(self._of(name, module), hidden, kwargs, before=True)
 
     def after(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
         if kind == "attn":
-            self._kv(name, module, hidden, kwargs)
+            self._kv(self._of(name, module), hidden, kwargs)
         elif kind == "gdn":
-            self._states(name, module, hidden, kwargs, "after")
+            self._states(self._of(name, module), hidden, kwargs, before=False)
+
+    def _of(self, name: str, module: Any) -> _Points:
+        found = self._points.get(name)
+        if found is None or found.module is not module:
+            found = self._points[name] = _Points(name, module)
+        return found
 
     def _cached(self, key: tuple[Any, ...], make: Callable[[], list[int]],
                 device: torch.device) -> torch.Tensor:
@@ -80,55 +91,67 @@ class CachePoints:
             self._index[key] = found
         return found
 
-    def _kv(self, name: str, module: Any, hidden: Any, kwargs: dict) -> None:
+    def _kv(self, points: _Points, hidden: Any, kwargs: dict) -> None:
         recorder = self.recorder
-        layer = _cache_layer(kwargs.get("past_key_values"), module, hidden, recorder)
+        layer = _cache_layer(kwargs.get("past_key_values"), points.layer_idx, hidden, recorder)
         if layer is None:
             return
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) \
-                or keys.dim() != 4 or keys.shape[0] != hidden.shape[0] \
-                or values.shape != keys.shape:
+                or keys.dim() != 4 or values.shape != keys.shape \
+                or keys.shape[0] != hidden.shape[0]:
             return
         batch, heads, length, dim = keys.shape
-        columns = int(hidden.shape[1])
-        index = self._cached(("kv", batch, heads, length, columns, keys.device),
+        columns, device = hidden.shape[1], keys.device
+        index = self._cached(("kv", heads, length, columns, device),
                              lambda: _kv_rows(recorder.token_index, heads, length, columns),
-                             keys.device)
+                             device)
         rows = len(recorder.token_index)
         k = keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
         v = values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
-        for i, suffix in enumerate(("kv_written", "kv_prev")):
-            slot = recorder.row_slot(f"{name}.{suffix}", keys.dtype, 2 * heads * dim,
-                                     keys.device)
+        width, dtype = 2 * heads * dim, keys.dtype
+        for i, point in enumerate(points.kv):
+            slot = recorder.row_slot(point, dtype, width, device)
             if slot is not None:
                 torch.cat([k[i], v[i]], 1, out=slot)
 
-    def _states(self, name: str, module: Any, hidden: Any, kwargs: dict, when: str) -> None:
+    def _states(self, points: _Points, hidden: Any, kwargs: dict, before: bool) -> None:
         recorder = self.recorder
-        layer = _cache_layer(kwargs.get("cache_params"), module, hidden, recorder)
+        layer = _cache_layer(kwargs.get("cache_params"), points.layer_idx, hidden, recorder)
         if layer is None:
             return
-        columns = int(hidden.shape[1])
-        for label, states in (("state", "recurrent_states"), ("conv", "conv_states")):
+        columns = hidden.shape[1]
+        names = points.before if before else points.after
+        for point, states in zip(names, ("recurrent_states", "conv_states")):
             state = (getattr(layer, states, None) or {}).get(0)
             if not isinstance(state, torch.Tensor) or state.shape[0] != hidden.shape[0]:
                 continue
             # one state per request, however many of its rows are tapped (a prefill's)
             batch = self._cached(("requests", columns, state.device), lambda: [
                 t // columns for t in recorder.request_token_index], state.device)
-            slot = recorder.request_slot(f"{name}.{label}_{when}", state.dtype,
-                                         state[0].numel(), state.device)
+            slot = recorder.request_slot(point, state.dtype, state[0].numel(), state.device)
             if slot is not None:
                 torch.index_select(state.reshape(state.shape[0], -1), 0, batch, out=slot)
 
 
-def _cache_layer(cache: Any, module: Any, hidden: Any, recorder: TapRecorder) -> Any:
-    """The layer of ``cache`` that ``module`` owns, or None (no cache, no tapped row, an
-    input that is not ``[batch, columns, ...]``)."""
+class _Points:
+    """One module's point names and cache layer index, made on its first call."""
+
+    __slots__ = ("module", "layer_idx", "kv", "before", "after")
+
+    def __init__(self, name: str, module: Any) -> None:
+        self.module = module
+        self.layer_idx = getattr(module, "layer_idx", None)
+        self.kv = (f"{name}.kv_written", f"{name}.kv_prev")
+        self.before = (f"{name}.state_before", f"{name}.conv_before")
+        self.after = (f"{name}.state_after", f"{name}.conv_after")
+
+
+def _cache_layer(cache: Any, layer_idx: int | None, hidden: Any, recorder: TapRecorder) -> Any:
+    """Layer ``layer_idx`` of ``cache``, or None (no cache, no tapped row, an input that
+    is not ``[batch, columns, ...]``)."""
     if cache is None or not recorder.live:
         return None
-    layer_idx = getattr(module, "layer_idx", None)
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
             or hidden.dim() < 3 or layer_idx >= len(layers):
