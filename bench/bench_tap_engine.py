@@ -211,6 +211,80 @@ class BareHooks(SeedStyle):
 
 DEVICE = ["cpu"]
 
+UNDO: list[tuple[Any, str, Any]] = []
+SPENT: dict[str, int] = {}
+"""``--breakdown``: engine-thread CPU nanoseconds by part of the tap (emulated hash out)."""
+
+
+def _timed(owner: Any, attr: str, label: str) -> None:
+    """Time ``owner.attr`` (inclusive) under ``label`` (undone by :func:`breakdown_off`)."""
+    original = getattr(owner, attr)
+    UNDO.append((owner, attr, owner.__dict__.get(attr)))
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start, emulated = time.thread_time_ns(), EMULATED[0]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            SPENT[label] = SPENT.get(label, 0) + time.thread_time_ns() - start - int(
+                (EMULATED[0] - emulated) * 1e9)
+
+    setattr(owner, attr, timed)
+
+
+def breakdown_on() -> None:
+    """Time the tap's parts: the recorder's step begin (rows picked), a quick step's
+    settle, step end (hash, transfer, record), the KV points, the sampler, and the sublayer
+    wrappers' own time per call (less the module they wrap)."""
+    from enginetap.engines.hf import tap as hf_tap
+    from enginetap.tap.record import arming, recorder
+
+    parts = [(recorder.TapRecorder, "begin", "step begin"),
+             (recorder.TapRecorder, "_prepare", "rows picked"),
+             (recorder.TapRecorder, "settle", "settle"), (recorder.TapRecorder, "end", "step end"),
+             (hf_tap.CachePoints, "after", "KV points"),
+             (recorder.TapRecorder, "note_logits", "sampler")]
+    for owner, attr, label in parts:
+        _timed(owner, attr, label)
+    factory = arming.sublayer_wrapper
+
+    def timed_factory(*args: Any, **kwargs: Any) -> Any:
+        tap = factory(*args, **kwargs)
+
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            # perf_counter_ns, not thread_time_ns: a call is microseconds and the thread
+            # clock costs ~0.5 us a read on this kind of host (a system call)
+            start, inner = time.perf_counter_ns(), [0]
+
+            def call(*a: Any, **k: Any) -> Any:
+                began = time.perf_counter_ns()
+                try:
+                    return wrapped(*a, **k)
+                finally:
+                    inner[0] += time.perf_counter_ns() - began
+
+            try:
+                return tap(call, instance, args, kwargs)
+            finally:
+                SPENT["wrapper calls"] = SPENT.get("wrapper calls", 0) + 1
+                SPENT["wrapper own"] = SPENT.get("wrapper own", 0) + (
+                    time.perf_counter_ns() - start - inner[0])
+
+        wrapper.__enginetap_contained__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    UNDO.append((arming, "sublayer_wrapper", factory))
+    arming.sublayer_wrapper = timed_factory
+
+
+def breakdown_off() -> None:
+    while UNDO:
+        owner, attr, original = UNDO.pop()
+        if original is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+
 
 def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int,
                 clock: Clock, profile: cProfile.Profile | None = None) -> dict[str, Any]:
@@ -307,6 +381,24 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
                          if statistics.median(mine) > 0 else "unbounded (no overhead seen)")
                 print(f"seed-002 overhead / {name} overhead ({key}): {times} (overheads "
                       f"{statistics.median(over):+.1%} vs {statistics.median(mine):+.1%})")
+    if args.breakdown:
+        print(f"\nwhere the tap's engine-thread CPU time goes (one more generate each, batch "
+              f"{batch}), us per decode step (wrapper own: the sublayer wrappers' time less the "
+              f"modules they wrap; the KV points and checkpoints taken at the call inside it):")
+        for name in [v for v in args.variants if v.startswith("tap")]:
+            breakdown_on()
+            SPENT.clear()
+            clock = Clock()
+            try:
+                run_variant(name, model, reqs, out, args.rows, clock)
+            finally:
+                breakdown_off()
+            steps = len(clock.cpu) + 1  # and the prefill
+            calls = SPENT.pop("wrapper calls", 1)
+            parts = ", ".join(f"{k} {v / 1e3 / steps:.0f}" for k, v in SPENT.items())
+            print(f"  {name}: {parts}; wrapper own per call "
+                  f"{SPENT.get('wrapper own', 0) / calls / 1e3:.2f} us over {calls // steps} "
+                  f"calls a step")
     if args.profile:
         profile = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: a shared host
         run_variant(args.profile, model, reqs, out, args.rows, Clock(), profile)
@@ -331,6 +423,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", choices=("", *VARIANTS))
     parser.add_argument("--profile-lines", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--breakdown", action="store_true", help="time the tap's parts")
     parser.add_argument("--emulate-defer", action="store_true", help="CPU: the tap's GPU "
                         "path (deferred checkpoints, quick steps), see emulate_deferral")
     args = parser.parse_args()

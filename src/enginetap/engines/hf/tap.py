@@ -13,20 +13,23 @@ The points ride on the sublayer wrapper of their module's class
 (:func:`~enginetap.tap.record.points.sublayer_wrapper` with ``around=``), so they are recorded
 right after the module's output, in execution order. The cache rows a step reads are the
 same for every layer: their flat indices are built once per step on the host and sent in
-one copy; each layer then costs two gathers and one concatenation into its staging slot.
+one copy; each layer then costs two gathers and one concatenation. Where every token row
+is tapped (decode steps of up to ``max_rows`` requests) and the device defers, the
+concatenated rows are the two points' tensors, hashed at step end with the other deferred
+checkpoints; otherwise they are concatenated into staging slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from enginetap.core.scope import SCOPE, sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
+from enginetap.tap.record import TapRecorder, kernels
 from enginetap.tap.record.points import sublayer_wrapper
-from enginetap.tap.record import TapRecorder
 
 __all__ = ["CachePoints", "tap_points"]
 
@@ -63,6 +66,7 @@ class CachePoints:
         self._points: dict[str, _Points] = {}
         self._step: Any = None
         self._index: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._deferring: dict[torch.device, bool] = {}
 
     def before(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
         if kind == "gdn":
@@ -78,6 +82,16 @@ class CachePoints:
         found = self._points.get(name)
         if found is None or found.module is not module:
             found = self._points[name] = _Points(name, module)
+        return found
+
+    def _defers(self, tensor: torch.Tensor) -> bool:
+        """Whether the recorder keeps ``tensor``'s device's checkpoints to hash in place
+        at step end (Triton there, deferral on, no vector dumps)."""
+        found = self._deferring.get(tensor.device)
+        if found is None:
+            options = self.recorder.options
+            found = self._deferring[tensor.device] = bool(
+                options.defer and options.vectors == "off" and kernels.available(tensor))
         return found
 
     def _cached(self, key: tuple[Any, ...], make: Callable[[], list[int]],
@@ -103,12 +117,25 @@ class CachePoints:
             return
         batch, heads, length, dim = keys.shape
         columns, device = hidden.shape[1], keys.device
-        index = self._cached(("kv", heads, length, columns, device),
-                             lambda: _kv_rows(recorder.token_index, heads, length, columns),
-                             device)
         rows = len(recorder.token_index)
+        whole = rows == recorder.padded and self._defers(keys)
+        tokens = range(rows) if whole else recorder.token_index
+        index = self._cached(("kv", whole, heads, length, columns, device),
+                             lambda: _kv_rows(tokens, heads, length, columns), device)
         k = keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
         v = values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
+        if whole:
+            # Every token row is tapped (a decode step of up to max_rows requests): the
+            # gathered rows, in token order, are the points' tensors, kept and hashed at
+            # step end with the step's other deferred checkpoints (no staging slot); a
+            # quick step lists them in order, as the sublayer wrappers do.
+            both, quick = torch.cat([k, v], 2), recorder.quick
+            for i, point in enumerate(points.kv):
+                if quick is not None and point not in recorder.at_call:
+                    quick.append((point, both[i]))
+                else:
+                    recorder.take(point, both[i])
+            return
         width, dtype = 2 * heads * dim, keys.dtype
         for i, point in enumerate(points.kv):
             slot = recorder.row_slot(point, dtype, width, device)
@@ -159,7 +186,7 @@ def _cache_layer(cache: Any, layer_idx: int | None, hidden: Any, recorder: TapRe
     return layers[layer_idx]
 
 
-def _kv_rows(token_index: list[int], heads: int, length: int, columns: int) -> list[int]:
+def _kv_rows(token_index: Iterable[int], heads: int, length: int, columns: int) -> list[int]:
     """Flat ``[batch * heads * length]`` row indices of a ``[batch, heads, length, dim]``
     cache: every head of each tapped row's written column, then of its previous column."""
     written, previous = [], []
