@@ -16,6 +16,10 @@ rotated each round) so that machine noise hits all alike:
 - ``tap-at-call``: the default tap with the recorder's quick steps off (every checkpoint
   examined at its call; on a GPU the quick steps list a settled step's checkpoints and
   examine them at the device wait): whether that machinery pays;
+- ``tap-kv-staged``: the default tap with the KV points always gathered into staging
+  slots (as where not every token row is tapped), never kept for the step-end hash in
+  place: what keeping them saves;
+- ``hooks``: forward hooks on the same modules that do nothing (the per-checkpoint budget);
 - ``seed-002``: the seed's approach on those checkpoints, written here: forward hooks on
   the same sublayer modules (decoder layers' inputs, every sublayer's output), per
   checkpoint the tapped rows gathered, weighted int64 row sums kept on the device; at step
@@ -55,7 +59,7 @@ from enginetap.engines.hf.arming import disarm
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record.fingerprint import word_weights
 
-VARIANTS = ("disarmed", "tap", "tap-fp", "tap-at-call", "seed-002", "hooks")
+VARIANTS = ("disarmed", "tap", "tap-kv-staged", "tap-fp", "tap-at-call", "seed-002", "hooks")
 
 
 def build(hidden: int, layers: int, device: str, dtype: torch.dtype, vocab: int = 32000) -> Any:
@@ -232,6 +236,34 @@ def _timed(owner: Any, attr: str, label: str) -> None:
     setattr(owner, attr, timed)
 
 
+TIMER = [0]
+"""Nanoseconds the wrapper timing itself adds to a call's own time (calibrated)."""
+
+
+def calibrate() -> None:
+    """:data:`TIMER`: the own time the timing wrapper measures around a wrapper that only
+    calls what it wraps (the thread clock is a system call here, ~0.5 us a read)."""
+    def bare(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return wrapped(*args, **kwargs)
+
+    from enginetap.tap.record import arming
+
+    factory, arming.sublayer_wrapper = arming.sublayer_wrapper, lambda *a, **k: bare
+    try:
+        breakdown_on()
+        timed = arming.sublayer_wrapper()
+    finally:
+        breakdown_off()
+        arming.sublayer_wrapper = factory
+    samples = []
+    for _ in range(5):
+        SPENT.clear()
+        for _ in range(2000):
+            timed(int, None, (), {})
+        samples.append(SPENT["wrapper own"] / SPENT["wrapper calls"])
+    TIMER[0] = int(statistics.median(samples))
+
+
 def breakdown_on() -> None:
     """Time the tap's parts: the recorder's step begin (rows picked), a quick step's
     settle, step end (hash, transfer, record), the KV points, the sampler, and the sublayer
@@ -252,23 +284,21 @@ def breakdown_on() -> None:
         tap = factory(*args, **kwargs)
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-            # perf_counter_ns, not thread_time_ns: a call is microseconds and the thread
-            # clock costs ~0.5 us a read on this kind of host (a system call)
-            start, inner = time.perf_counter_ns(), [0]
+            start, inner = time.thread_time_ns(), [0]
 
             def call(*a: Any, **k: Any) -> Any:
-                began = time.perf_counter_ns()
+                began = time.thread_time_ns()
                 try:
                     return wrapped(*a, **k)
                 finally:
-                    inner[0] += time.perf_counter_ns() - began
+                    inner[0] += time.thread_time_ns() - began
 
             try:
                 return tap(call, instance, args, kwargs)
             finally:
                 SPENT["wrapper calls"] = SPENT.get("wrapper calls", 0) + 1
                 SPENT["wrapper own"] = SPENT.get("wrapper own", 0) + (
-                    time.perf_counter_ns() - start - inner[0])
+                    time.thread_time_ns() - start - inner[0] - TIMER[0])
 
         wrapper.__enginetap_contained__ = True  # type: ignore[attr-defined]
         return wrapper
@@ -303,6 +333,11 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
         engine = HFEngine.from_loaded(model, prefix_cache_size=0, arm=arm)
         if name == "tap-at-call":
             engine.arming.context.notes["tap"].quick_steps = False
+        if name == "tap-kv-staged":
+            from enginetap.engines.hf import tap as hf_tap
+
+            staged = hf_tap.CachePoints._defers
+            hf_tap.CachePoints._defers = lambda self, tensor: False  # type: ignore
         if seed is not None:
             seed.install()
         subscribe(on_begin=clock.begin, on_end=clock.end, on_wait=clock.wait)
@@ -319,6 +354,8 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
         elif seed is not None:
             info["checkpoints"] = seed.checkpoints
     finally:
+        if name == "tap-kv-staged":
+            hf_tap.CachePoints._defers = staged  # type: ignore
         unsubscribe(clock.begin)
         unsubscribe(clock.end)
         unsubscribe(clock.wait)
@@ -382,9 +419,11 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
                 print(f"seed-002 overhead / {name} overhead ({key}): {times} (overheads "
                       f"{statistics.median(over):+.1%} vs {statistics.median(mine):+.1%})")
     if args.breakdown:
+        calibrate()
         print(f"\nwhere the tap's engine-thread CPU time goes (one more generate each, batch "
               f"{batch}), us per decode step (wrapper own: the sublayer wrappers' time less the "
-              f"modules they wrap; the KV points and checkpoints taken at the call inside it):")
+              f"modules they wrap and the timing's own {TIMER[0] / 1e3:.2f} us; the KV points and "
+              f"checkpoints taken at the call inside it):")
         for name in [v for v in args.variants if v.startswith("tap")]:
             breakdown_on()
             SPENT.clear()
