@@ -248,6 +248,7 @@ def calibrate() -> None:
 
     from enginetap.tap.record import arming
 
+    TIMER[0] = 0
     factory, arming.sublayer_wrapper = arming.sublayer_wrapper, lambda *a, **k: bare
     try:
         breakdown_on()
