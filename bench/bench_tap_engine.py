@@ -30,8 +30,12 @@ two of each run are left out: warm-up). Per variant: the median step over its ru
 round; printed are the median over rounds and the spread (min-max) of the per-round
 medians, and of the per-round ratio to ``disarmed``. The host time of the forward's launch
 (step begin to the device wait the engine announces; CPU: to step end) is printed too:
-that is where per-checkpoint host work shows. ``--profile VARIANT`` runs one more
-generate of that variant under cProfile and prints where its host time went.
+that is where per-checkpoint host work shows. The engine thread's CPU time per decode step
+is printed beside it (a shared host's wall clock moves more than the work does), with
+the cost per checkpoint over ``disarmed``. ``--emulate-defer`` runs the GPU's path on a
+CPU (see :func:`emulate_deferral`); ``--breakdown`` times the tap's parts in one more
+generate per variant; ``--profile VARIANT`` runs one more generate of that variant under
+cProfile (thread CPU time) and prints where its host time went.
 """
 
 from __future__ import annotations
