@@ -16,6 +16,10 @@ rotated each round) so that machine noise hits all alike:
 - ``tap-at-call``: the default tap with the recorder's quick steps off (every checkpoint
   examined at its call; on a GPU the quick steps list a settled step's checkpoints and
   examine them at the device wait): whether that machinery pays;
+- ``tap-kv-staged``: the default tap with the KV points always gathered into staging
+  slots (as where not every token row is tapped), never kept for the step-end hash in
+  place: what keeping them saves;
+- ``hooks``: forward hooks on the same modules that do nothing (the per-checkpoint budget);
 - ``seed-002``: the seed's approach on those checkpoints, written here: forward hooks on
   the same sublayer modules (decoder layers' inputs, every sublayer's output), per
   checkpoint the tapped rows gathered, weighted int64 row sums kept on the device; at step
@@ -26,14 +30,19 @@ two of each run are left out: warm-up). Per variant: the median step over its ru
 round; printed are the median over rounds and the spread (min-max) of the per-round
 medians, and of the per-round ratio to ``disarmed``. The host time of the forward's launch
 (step begin to the device wait the engine announces; CPU: to step end) is printed too:
-that is where per-checkpoint host work shows. ``--profile VARIANT`` runs one more
-generate of that variant under cProfile and prints where its host time went.
+that is where per-checkpoint host work shows. The engine thread's CPU time per decode step
+is printed beside it (a shared host's wall clock moves more than the work does), with
+the cost per checkpoint over ``disarmed``. ``--emulate-defer`` runs the GPU's path on a
+CPU (see :func:`emulate_deferral`); ``--breakdown`` times the tap's parts in one more
+generate per variant; ``--profile VARIANT`` runs one more generate of that variant under
+cProfile (thread CPU time) and prints where its host time went.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import gc
 import io
 import pstats
@@ -54,17 +63,17 @@ from enginetap.engines.hf.arming import disarm
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record.fingerprint import word_weights
 
-VARIANTS = ("disarmed", "tap", "tap-fp", "tap-at-call", "seed-002")
+VARIANTS = ("disarmed", "tap", "tap-kv-staged", "tap-fp", "tap-at-call", "seed-002", "hooks")
 
 
-def build(hidden: int, layers: int, device: str, dtype: torch.dtype) -> Any:
+def build(hidden: int, layers: int, device: str, dtype: torch.dtype, vocab: int = 32000) -> Any:
     """A random-weight Llama of width ``hidden`` (head dim 128, 8 KV heads) on ``device``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     heads = max(1, hidden // 128)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 27 // 10,
                          num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=min(8, heads), vocab_size=32000,
+                         num_key_value_heads=min(8, heads), vocab_size=vocab,
                          max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device(device):
@@ -73,10 +82,13 @@ def build(hidden: int, layers: int, device: str, dtype: torch.dtype) -> Any:
 
 
 class Clock:
-    """Per decode step: when it began and how long the host took to launch its forward."""
+    """Per decode step: when it began, the engine thread's CPU time at that moment (less
+    the emulated table hash's, see :func:`emulate_deferral`), and how long the host took to
+    launch its forward."""
 
     def __init__(self) -> None:
         self.begins: list[float] = []
+        self.cpu: list[float] = []
         self.launch: list[float] = []
         self._began = 0.0
         self._waited = False
@@ -85,6 +97,7 @@ class Clock:
         self._began, self._waited = time.perf_counter(), False
         if step.mode == "decode":
             self.begins.append(self._began)
+            self.cpu.append(time.thread_time() - EMULATED[0])
 
     def wait(self, step: Step) -> None:
         if step.mode == "decode" and not self._waited:
@@ -97,6 +110,38 @@ class Clock:
 
     def steps(self, skip: int = 2) -> list[float]:
         return [b - a for a, b in zip(self.begins[skip:], self.begins[skip + 1:])]
+
+    def cpu_steps(self, skip: int = 2) -> list[float]:
+        return [b - a for a, b in zip(self.cpu[skip:], self.cpu[skip + 1:])]
+
+
+EMULATED = [0.0]
+"""Engine-thread CPU seconds spent in the emulated table hash (left out of the steps)."""
+
+
+def emulate_deferral() -> None:
+    """On the CPU, run the tap's GPU path: checkpoints kept and hashed in place at step end
+    (quick steps, plans), the kernels' ``available`` answering yes for CPU tensors. The
+    step-end table hash (one Triton launch on a GPU) is done here by torch over the
+    table's addresses, the same function of the same bytes; its CPU time is left out of
+    the step times (:data:`EMULATED`): on a GPU it is device time."""
+    from enginetap.tap.record import kernels
+    from enginetap.tap.record.fingerprint import hash_rows
+
+    def table_rows(table: torch.Tensor, index: torch.Tensor, max_words: int) -> torch.Tensor:
+        start = time.thread_time()
+        addresses, strides, widths = table.tolist()
+        last = int(index.max()) if index.numel() else 0
+        out = torch.empty((len(widths), index.numel()), dtype=torch.int64)
+        for c, (address, stride, width) in enumerate(zip(addresses, strides, widths)):
+            span = (ctypes.c_int32 * (last * stride + width)).from_address(address)
+            words = torch.frombuffer(span, dtype=torch.int32)
+            out[c] = hash_rows(words.as_strided((last + 1, width), (stride, 1))[index])
+        EMULATED[0] += time.thread_time() - start
+        return out
+
+    kernels.available = lambda tensor: tensor.device.type in ("cpu", "cuda")
+    kernels.hash_table_rows = table_rows
 
 
 class SeedStyle:
@@ -155,7 +200,125 @@ class SeedStyle:
             self.hash(t)
 
 
+class BareHooks(SeedStyle):
+    """Forward hooks on the same modules that do nothing: what a hook's call costs the
+    host by itself (the per-checkpoint budget the tap is held to)."""
+
+    def begin(self, step: Step) -> None:
+        self.calls = 0
+
+    def end(self, step: Step) -> None:
+        self.checkpoints = self.calls
+
+    def pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.calls += 1
+
+    def post(self, module: Any, args: tuple, out: Any) -> None:
+        self.calls += 1
+
+
 DEVICE = ["cpu"]
+
+UNDO: list[tuple[Any, str, Any]] = []
+SPENT: dict[str, int] = {}
+"""``--breakdown``: engine-thread CPU nanoseconds by part of the tap (emulated hash out)."""
+
+
+def _timed(owner: Any, attr: str, label: str) -> None:
+    """Time ``owner.attr`` (inclusive) under ``label`` (undone by :func:`breakdown_off`)."""
+    original = getattr(owner, attr)
+    UNDO.append((owner, attr, owner.__dict__.get(attr)))
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start, emulated = time.thread_time_ns(), EMULATED[0]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            SPENT[label] = SPENT.get(label, 0) + time.thread_time_ns() - start - int(
+                (EMULATED[0] - emulated) * 1e9)
+
+    setattr(owner, attr, timed)
+
+
+TIMER = [0]
+"""Nanoseconds the wrapper timing itself adds to a call's own time (calibrated)."""
+
+
+def calibrate() -> None:
+    """:data:`TIMER`: the own time the timing wrapper measures around a wrapper that only
+    calls what it wraps (the thread clock is a system call here, ~0.5 us a read)."""
+    def bare(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return wrapped(*args, **kwargs)
+
+    from enginetap.tap.record import arming
+
+    TIMER[0] = 0
+    factory, arming.sublayer_wrapper = arming.sublayer_wrapper, lambda *a, **k: bare
+    try:
+        breakdown_on()
+        timed = arming.sublayer_wrapper()
+    finally:
+        breakdown_off()
+        arming.sublayer_wrapper = factory
+    samples = []
+    for _ in range(5):
+        SPENT.clear()
+        for _ in range(2000):
+            timed(int, None, (), {})
+        samples.append(SPENT["wrapper own"] / SPENT["wrapper calls"])
+    TIMER[0] = int(statistics.median(samples))
+
+
+def breakdown_on() -> None:
+    """Time the tap's parts: the recorder's step begin (rows picked), a quick step's
+    settle, step end (hash, transfer, record), the KV points, the sampler, and the sublayer
+    wrappers' own time per call (less the module they wrap)."""
+    from enginetap.engines.hf import tap as hf_tap
+    from enginetap.tap.record import arming, recorder
+
+    parts = [(recorder.TapRecorder, "begin", "step begin"),
+             (recorder.TapRecorder, "_prepare", "rows picked"),
+             (recorder.TapRecorder, "settle", "settle"), (recorder.TapRecorder, "end", "step end"),
+             (hf_tap.CachePoints, "after", "KV points"),
+             (recorder.TapRecorder, "note_logits", "sampler")]
+    for owner, attr, label in parts:
+        _timed(owner, attr, label)
+    factory = arming.sublayer_wrapper
+
+    def timed_factory(*args: Any, **kwargs: Any) -> Any:
+        tap = factory(*args, **kwargs)
+
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            start, inner = time.thread_time_ns(), [0]
+
+            def call(*a: Any, **k: Any) -> Any:
+                began = time.thread_time_ns()
+                try:
+                    return wrapped(*a, **k)
+                finally:
+                    inner[0] += time.thread_time_ns() - began
+
+            try:
+                return tap(call, instance, args, kwargs)
+            finally:
+                SPENT["wrapper calls"] = SPENT.get("wrapper calls", 0) + 1
+                SPENT["wrapper own"] = SPENT.get("wrapper own", 0) + (
+                    time.thread_time_ns() - start - inner[0] - TIMER[0])
+
+        wrapper.__enginetap_contained__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    UNDO.append((arming, "sublayer_wrapper", factory))
+    arming.sublayer_wrapper = timed_factory
+
+
+def breakdown_off() -> None:
+    while UNDO:
+        owner, attr, original = UNDO.pop()
+        if original is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
 
 
 def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int,
@@ -168,12 +331,18 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
     if name.startswith("tap"):  # tap-at-call: the default options
         arm = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out / name,
                         options={"tap": options, "step": {"record": False}})
-    seed = SeedStyle(model, rows) if name == "seed-002" else None
+    seed = {"seed-002": SeedStyle, "hooks": BareHooks}.get(name)
+    seed = None if seed is None else seed(model, rows)
     info: dict[str, Any] = {}
     try:
         engine = HFEngine.from_loaded(model, prefix_cache_size=0, arm=arm)
         if name == "tap-at-call":
             engine.arming.context.notes["tap"].quick_steps = False
+        if name == "tap-kv-staged":
+            from enginetap.engines.hf import tap as hf_tap
+
+            staged = hf_tap.CachePoints._defers
+            hf_tap.CachePoints._defers = lambda self, tensor: False  # type: ignore
         if seed is not None:
             seed.install()
         subscribe(on_begin=clock.begin, on_end=clock.end, on_wait=clock.wait)
@@ -185,10 +354,13 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
             profile.disable()
         if engine.arming is not None:
             recorder = engine.arming.context.notes["tap"]
-            info["checkpoints"] = f"{recorder.last_checkpoints} ({recorder.quick_count} quick)"
+            info["checkpoints"] = recorder.last_checkpoints
+            info["quick"] = recorder.quick_count
         elif seed is not None:
             info["checkpoints"] = seed.checkpoints
     finally:
+        if name == "tap-kv-staged":
+            hf_tap.CachePoints._defers = staged  # type: ignore
         unsubscribe(clock.begin)
         unsubscribe(clock.end)
         unsubscribe(clock.wait)
@@ -211,37 +383,68 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
     reqs = [Request(request_id=f"q{i}", prompt_ids=p, max_new_tokens=args.new_tokens)
             for i, p in enumerate(prompts)]
     run_variant("disarmed", model, reqs, out, args.rows, Clock())  # warm-up
-    per_round: dict[str, list[float]] = {v: [] for v in args.variants}
-    launch: dict[str, list[float]] = {v: [] for v in args.variants}
-    ratios: dict[str, list[float]] = {v: [] for v in args.variants}
+    names = ("step", "cpu", "launch")
+    per_round: dict[str, dict[str, list[float]]] = {
+        v: {k: [] for k in (*names, "ratio", "cpu ratio")} for v in args.variants}
     info: dict[str, Any] = {}
     for r in range(args.rounds):
         order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
         for name in order:
             clock = Clock()
             info[name] = run_variant(name, model, reqs, out, args.rows, clock)
-            per_round[name].append(statistics.median(clock.steps()))
-            launch[name].append(statistics.median(clock.launch[2:]))
+            for key, values in zip(names, (clock.steps(), clock.cpu_steps(), clock.launch[2:])):
+                per_round[name][key].append(statistics.median(values))
+        base = per_round["disarmed"]
         for name in args.variants:
-            ratios[name].append(per_round[name][-1] / per_round["disarmed"][-1])
+            mine = per_round[name]
+            mine["ratio"].append(mine["step"][-1] / base["step"][-1])
+            mine["cpu ratio"].append(mine["cpu"][-1] / base["cpu"][-1])
     print(f"\nbatch {batch}, context {args.context}, {args.new_tokens} new tokens, "
-          f"{args.rounds} rounds; median [min-max] over rounds")
-    print(f"{'variant':<11} {'step ms':>22} {'vs disarmed':>24} {'launch ms':>22} checkpoints")
+          f"{args.rounds} rounds; median [min-max] over rounds; cpu: the engine thread's CPU "
+          f"time per decode step; us/ckpt: cpu over disarmed's per checkpoint")
+    print(f"{'variant':<11} {'step ms':>20} {'vs disarmed':>20} {'cpu ms':>20} "
+          f"{'cpu vs disarmed':>20} {'launch ms':>20} ckpts  us/ckpt")
+    disarmed = statistics.median(per_round["disarmed"]["cpu"])
     for name in args.variants:
-        print(f"{name:<11} {spread(per_round[name], 1e3):>22} "
-              f"{spread(ratios[name], fmt='{:.3f}'):>24} {spread(launch[name], 1e3):>22} "
-              f"{info[name].get('checkpoints', '-')}")
+        mine, count = per_round[name], info[name].get("checkpoints")
+        over = ((statistics.median(mine["cpu"]) - disarmed) / count * 1e6) if count else None
+        print(f"{name:<11} {spread(mine['step'], 1e3):>20} "
+              f"{spread(mine['ratio'], fmt='{:.3f}'):>20} {spread(mine['cpu'], 1e3):>20} "
+              f"{spread(mine['cpu ratio'], fmt='{:.3f}'):>20} {spread(mine['launch'], 1e3):>20} "
+              f"{'-' if count is None else count:>5} {'-' if over is None else f'{over:7.2f}'}"
+              + (f" ({info[name]['quick']} quick)" if "quick" in info[name] else ""))
+    key = "cpu ratio" if args.device == "cpu" else "ratio"
     if {"seed-002", "tap"} <= set(args.variants):
         for name in ("tap", "tap-fp"):
             if name in args.variants:
-                over = [s - 1 for s in ratios["seed-002"]]
-                mine = [t - 1 for t in ratios[name]]
+                over = [s - 1 for s in per_round["seed-002"][key]]
+                mine = [t - 1 for t in per_round[name][key]]
                 times = (f"{statistics.median(over) / statistics.median(mine):.1f}x"
                          if statistics.median(mine) > 0 else "unbounded (no overhead seen)")
-                print(f"seed-002 overhead / {name} overhead: {times} (overheads "
+                print(f"seed-002 overhead / {name} overhead ({key}): {times} (overheads "
                       f"{statistics.median(over):+.1%} vs {statistics.median(mine):+.1%})")
+    if args.breakdown:
+        calibrate()
+        print(f"\nwhere the tap's engine-thread CPU time goes (one more generate each, batch "
+              f"{batch}), us per decode step (wrapper own: the sublayer wrappers' time less the "
+              f"modules they wrap and the timing's own {TIMER[0] / 1e3:.2f} us; the KV points and "
+              f"checkpoints taken at the call inside it):")
+        for name in [v for v in args.variants if v.startswith("tap")]:
+            breakdown_on()
+            SPENT.clear()
+            clock = Clock()
+            try:
+                run_variant(name, model, reqs, out, args.rows, clock)
+            finally:
+                breakdown_off()
+            steps = len(clock.cpu) + 1  # and the prefill
+            calls = SPENT.pop("wrapper calls", 1)
+            parts = ", ".join(f"{k} {v / 1e3 / steps:.0f}" for k, v in SPENT.items())
+            print(f"  {name}: {parts}; wrapper own per call "
+                  f"{SPENT.get('wrapper own', 0) / calls / 1e3:.2f} us over {calls // steps} "
+                  f"calls a step")
     if args.profile:
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: a shared host
         run_variant(args.profile, model, reqs, out, args.rows, Clock(), profile)
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.profile_lines)
@@ -263,6 +466,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--profile", default="", choices=("", *VARIANTS))
     parser.add_argument("--profile-lines", type=int, default=30)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--breakdown", action="store_true", help="time the tap's parts")
+    parser.add_argument("--emulate-defer", action="store_true", help="CPU: the tap's GPU "
+                        "path (deferred checkpoints, quick steps), see emulate_deferral")
     args = parser.parse_args()
     if "disarmed" not in args.variants:
         args.variants.insert(0, "disarmed")
@@ -270,10 +477,13 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    model = build(args.hidden, args.layers, args.device, dtype)
+    if args.emulate_defer:
+        emulate_deferral()
+    model = build(args.hidden, args.layers, args.device, dtype, args.vocab)
     print(f"{args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}),"
           f" torch {torch.__version__}, random Llama hidden {args.hidden}, {args.layers} layers,"
-          f" {dtype}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+          f" {dtype}, vocab {args.vocab}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+          + (", deferral emulated on the CPU" if args.emulate_defer else ""))
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batch:
             bench_batch(model, args, batch, Path(tmp))

@@ -13,20 +13,23 @@ The points ride on the sublayer wrapper of their module's class
 (:func:`~enginetap.tap.record.points.sublayer_wrapper` with ``around=``), so they are recorded
 right after the module's output, in execution order. The cache rows a step reads are the
 same for every layer: their flat indices are built once per step on the host and sent in
-one copy; each layer then costs two gathers and one concatenation into its staging slot.
+one copy; each layer then costs two gathers and one concatenation. Where every token row
+is tapped (decode steps of up to ``max_rows`` requests) and the device defers, the
+concatenated rows are the two points' tensors, hashed at step end with the other deferred
+checkpoints; otherwise they are concatenated into staging slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from enginetap.core.scope import SCOPE, sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
+from enginetap.tap.record import TapRecorder, kernels
 from enginetap.tap.record.points import sublayer_wrapper
-from enginetap.tap.record import TapRecorder
 
 __all__ = ["CachePoints", "tap_points"]
 
@@ -52,22 +55,44 @@ def _factory(recorder: TapRecorder, names: Any) -> Callable[..., Any]:
 
 
 class CachePoints:
-    """Reads a module's cache rows before and after its forward, for one recorder."""
+    """Reads a module's cache rows before and after its forward, for one recorder.
+
+    Runs once per attention (gated-delta) layer per step, so what does not change between
+    calls is looked up once: a module's point names and cache layer index (on first
+    sight), the step's cache-row indices (on the step's first layer)."""
 
     def __init__(self, recorder: TapRecorder) -> None:
         self.recorder = recorder
+        self._points: dict[str, _Points] = {}
         self._step: Any = None
         self._index: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._deferring: dict[torch.device, bool] = {}
 
     def before(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
         if kind == "gdn":
-            self._states(name, module, hidden, kwargs, "before")
+            self._states(self._of(name, module), hidden, kwargs, before=True)
 
     def after(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
         if kind == "attn":
-            self._kv(name, module, hidden, kwargs)
+            self._kv(self._of(name, module), hidden, kwargs)
         elif kind == "gdn":
-            self._states(name, module, hidden, kwargs, "after")
+            self._states(self._of(name, module), hidden, kwargs, before=False)
+
+    def _of(self, name: str, module: Any) -> _Points:
+        found = self._points.get(name)
+        if found is None or found.module is not module:
+            found = self._points[name] = _Points(name, module)
+        return found
+
+    def _defers(self, tensor: torch.Tensor) -> bool:
+        """Whether the recorder keeps ``tensor``'s device's checkpoints to hash in place
+        at step end (Triton there, deferral on, no vector dumps)."""
+        found = self._deferring.get(tensor.device)
+        if found is None:
+            options = self.recorder.options
+            found = self._deferring[tensor.device] = bool(
+                options.defer and options.vectors == "off" and kernels.available(tensor))
+        return found
 
     def _cached(self, key: tuple[Any, ...], make: Callable[[], list[int]],
                 device: torch.device) -> torch.Tensor:
@@ -80,55 +105,80 @@ class CachePoints:
             self._index[key] = found
         return found
 
-    def _kv(self, name: str, module: Any, hidden: Any, kwargs: dict) -> None:
+    def _kv(self, points: _Points, hidden: Any, kwargs: dict) -> None:
         recorder = self.recorder
-        layer = _cache_layer(kwargs.get("past_key_values"), module, hidden, recorder)
+        layer = _cache_layer(kwargs.get("past_key_values"), points.layer_idx, hidden, recorder)
         if layer is None:
             return
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) \
-                or keys.dim() != 4 or keys.shape[0] != hidden.shape[0] \
-                or values.shape != keys.shape:
+                or keys.dim() != 4 or values.shape != keys.shape \
+                or keys.shape[0] != hidden.shape[0]:
             return
         batch, heads, length, dim = keys.shape
-        columns = int(hidden.shape[1])
-        index = self._cached(("kv", batch, heads, length, columns, keys.device),
-                             lambda: _kv_rows(recorder.token_index, heads, length, columns),
-                             keys.device)
+        columns, device = hidden.shape[1], keys.device
         rows = len(recorder.token_index)
+        whole = rows == recorder.padded and self._defers(keys)
+        tokens = range(rows) if whole else recorder.token_index
+        index = self._cached(("kv", whole, heads, length, columns, device),
+                             lambda: _kv_rows(tokens, heads, length, columns), device)
         k = keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
         v = values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
-        for i, suffix in enumerate(("kv_written", "kv_prev")):
-            slot = recorder.row_slot(f"{name}.{suffix}", keys.dtype, 2 * heads * dim,
-                                     keys.device)
+        if whole:
+            # Every token row is tapped (a decode step of up to max_rows requests): the
+            # gathered rows, in token order, are the points' tensors, kept and hashed at
+            # step end with the step's other deferred checkpoints (no staging slot); a
+            # quick step lists them in order, as the sublayer wrappers do.
+            both, quick = torch.cat([k, v], 2), recorder.quick
+            for i, point in enumerate(points.kv):
+                if quick is not None and point not in recorder.at_call:
+                    quick.append((point, both[i]))
+                else:
+                    recorder.take(point, both[i])
+            return
+        width, dtype = 2 * heads * dim, keys.dtype
+        for i, point in enumerate(points.kv):
+            slot = recorder.row_slot(point, dtype, width, device)
             if slot is not None:
                 torch.cat([k[i], v[i]], 1, out=slot)
 
-    def _states(self, name: str, module: Any, hidden: Any, kwargs: dict, when: str) -> None:
+    def _states(self, points: _Points, hidden: Any, kwargs: dict, before: bool) -> None:
         recorder = self.recorder
-        layer = _cache_layer(kwargs.get("cache_params"), module, hidden, recorder)
+        layer = _cache_layer(kwargs.get("cache_params"), points.layer_idx, hidden, recorder)
         if layer is None:
             return
-        columns = int(hidden.shape[1])
-        for label, states in (("state", "recurrent_states"), ("conv", "conv_states")):
+        columns = hidden.shape[1]
+        names = points.before if before else points.after
+        for point, states in zip(names, ("recurrent_states", "conv_states")):
             state = (getattr(layer, states, None) or {}).get(0)
             if not isinstance(state, torch.Tensor) or state.shape[0] != hidden.shape[0]:
                 continue
             # one state per request, however many of its rows are tapped (a prefill's)
             batch = self._cached(("requests", columns, state.device), lambda: [
                 t // columns for t in recorder.request_token_index], state.device)
-            slot = recorder.request_slot(f"{name}.{label}_{when}", state.dtype,
-                                         state[0].numel(), state.device)
+            slot = recorder.request_slot(point, state.dtype, state[0].numel(), state.device)
             if slot is not None:
                 torch.index_select(state.reshape(state.shape[0], -1), 0, batch, out=slot)
 
 
-def _cache_layer(cache: Any, module: Any, hidden: Any, recorder: TapRecorder) -> Any:
-    """The layer of ``cache`` that ``module`` owns, or None (no cache, no tapped row, an
-    input that is not ``[batch, columns, ...]``)."""
+class _Points:
+    """One module's point names and cache layer index, made on its first call."""
+
+    __slots__ = ("module", "layer_idx", "kv", "before", "after")
+
+    def __init__(self, name: str, module: Any) -> None:
+        self.module = module
+        self.layer_idx = getattr(module, "layer_idx", None)
+        self.kv = (f"{name}.kv_written", f"{name}.kv_prev")
+        self.before = (f"{name}.state_before", f"{name}.conv_before")
+        self.after = (f"{name}.state_after", f"{name}.conv_after")
+
+
+def _cache_layer(cache: Any, layer_idx: int | None, hidden: Any, recorder: TapRecorder) -> Any:
+    """Layer ``layer_idx`` of ``cache``, or None (no cache, no tapped row, an input that
+    is not ``[batch, columns, ...]``)."""
     if cache is None or not recorder.live:
         return None
-    layer_idx = getattr(module, "layer_idx", None)
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx is None or not isinstance(hidden, torch.Tensor) \
             or hidden.dim() < 3 or layer_idx >= len(layers):
@@ -136,7 +186,7 @@ def _cache_layer(cache: Any, module: Any, hidden: Any, recorder: TapRecorder) ->
     return layers[layer_idx]
 
 
-def _kv_rows(token_index: list[int], heads: int, length: int, columns: int) -> list[int]:
+def _kv_rows(token_index: Iterable[int], heads: int, length: int, columns: int) -> list[int]:
     """Flat ``[batch * heads * length]`` row indices of a ``[batch, heads, length, dim]``
     cache: every head of each tapped row's written column, then of its previous column."""
     written, previous = [], []

@@ -24,7 +24,10 @@ def select_rows(step: Step, filters: list[str], max_rows: int) -> list[int]:
     """Row indices of ``step`` to tap: those whose key contains every filter, last first
     cut to ``max_rows`` (returned in batch order)."""
     keys = step.rows.keys
-    picked = [i for i, key in enumerate(keys) if all(f in key for f in filters if f)]
+    wanted = [f for f in filters if f]
+    if not wanted:  # the usual case, every step: no test per row
+        return list(range(max(0, len(keys) - max_rows), len(keys)))
+    picked = [i for i, key in enumerate(keys) if all(f in key for f in wanted)]
     return picked[-max_rows:]
 
 
@@ -75,24 +78,27 @@ def fill_late_lengths(records: list[dict[str, Any]], step: Step) -> None:
 
 def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> list[dict[str, Any]]:
     """The metadata of each tapped row, as written to the tap file (per-group slots
-    only where the engine has several cache groups of a kind)."""
+    only where the engine has several cache groups of a kind). Runs every step for every
+    tapped row: each column is read once (an absent one as all None)."""
     rows = step.rows
     index = rows.token_index
     groups = {name: g for name, g in (("kv_groups", rows.kv_groups),
                                       ("state_groups", rows.state_groups)) if g and len(g) > 1}
+    keys, ids, positions, tokens = rows.keys, rows.request_ids, rows.positions, rows.token_ids
+    host, n = rows.computed_host, len(keys)
+    device, kv, state, planned, query, seq = (
+        [None] * n if c is None else c
+        for c in (rows.computed_device, rows.kv_slots, rows.state_slots, rows.planned_tokens,
+                  rows.query_lens, rows.seq_lens))
     out = []
     for i in picked:
-        record = {"row": i, "key": rows.keys[i], "request_id": rows.request_ids[i],
-                  "pos": rows.positions[i], "tok": rows.token_ids[i],
-                  "computed_host": rows.computed_host[i],
-                  "computed_device": _column(rows.computed_device, i),
-                  "kv_slot": _column(rows.kv_slots, i),
-                  "state_slot": _column(rows.state_slots, i),
-                  "token_index": i if index is None else index[i],
-                  "planned": _column(rows.planned_tokens, i),
-                  "query_len": _column(rows.query_lens, i),
-                  "seq_len": _column(rows.seq_lens, i),
-                  "prefix": None if prefixes[i] is None else f"{prefixes[i]:016x}"}
+        prefix = prefixes[i]
+        record = {"row": i, "key": keys[i], "request_id": ids[i], "pos": positions[i],
+                  "tok": tokens[i], "computed_host": host[i], "computed_device": device[i],
+                  "kv_slot": kv[i], "state_slot": state[i],
+                  "token_index": i if index is None else index[i], "planned": planned[i],
+                  "query_len": query[i], "seq_len": seq[i],
+                  "prefix": None if prefix is None else f"{prefix:016x}"}
         for name, per_group in groups.items():
             record[name] = {group: slots[i] for group, slots in per_group.items()}
         out.append(record)
