@@ -147,13 +147,19 @@ def observe_without_changing() -> None:
     from torch._inductor import config
 
     from enginetap.core.patching import PatchSet
+    from enginetap.errors import PatchError
 
     before = config.post_grad_custom_pre_pass
     if not isinstance(before, TapCopies):
         config.post_grad_custom_pre_pass = TapCopies(before)
     patches = PatchSet("tap-inductor")
     patches.add(KEEP_RENAMES, _keep_renames)
-    _installed.append(patches.install())
+    try:
+        _installed.append(patches.install())
+    except PatchError as exc:  # another torch: the copies still apply
+        _installed.append(PatchSet("tap-inductor"))
+        logger.warning("tap: inductor's scheduler not patched (%s): a compiled graph's "
+                       "node may read an out-variant op's output before it is written", exc)
 
 
 def stop_observing() -> None:
