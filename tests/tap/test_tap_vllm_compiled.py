@@ -149,9 +149,5 @@ def test_identical_requests_never_split_and_a_disarmed_compiled_engine_serves_on
     assert report["again"] == {f"{k}-again": v for k, v in report["same"].items()}
 
 
-@pytest.mark.xfail(strict=True, reason="measured: armed and disarmed compiled runs of "
-                   "qwen3_next sample different tokens; suspected cause (not yet shown): the "
-                   "tap's op makes inductor materialize sublayer outputs it otherwise fuses "
-                   "(docs/tap.md, vLLM compiled mode)")
 def test_armed_and_disarmed_compiled_runs_sample_the_same_tokens(runs) -> None:
     assert _report(runs, "compiled")["same"] == _report(runs, "disarmed")["same"]

@@ -24,6 +24,9 @@ vLLM's on-disk compile cache (AOT artifacts) could hand back a graph traced with
 hooks, or with another run's: armed, its use is switched off (``VLLM_DISABLE_COMPILE_CACHE``,
 before the warm-up) and the inductor cache, keyed by the graph itself, is kept. A
 checkpoint whose hooks were never traced is listed in the header (``not_placed``).
+Before the warm-up compiles, :func:`~enginetap.tap.record.inductor.observe_without_changing`
+makes inductor give each tap op its own copy of the value it reads, and keeps a dependency
+its CPU backend lost: the armed graph computes what the disarmed one does.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 
 import enginetap.tap.record.compiled  # noqa: F401  (registers enginetap::tap_hash_rows)
+from enginetap.tap.record.inductor import observe_without_changing
 from enginetap.tap.record.fingerprint import hash_rows
 from enginetap.tap.record.points import CheckpointNames, _hidden
 from enginetap.tap.record import TapRecorder, outputs_of
@@ -67,6 +71,7 @@ def attach_compiled(installed: list[Any], model: Any) -> None:
     if mode is None:
         return
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"  # see the module docstring
+    observe_without_changing()
     for tap in taps:
         VLLMCompiledTap(tap.recorder, tap.names, parts, tap.targets, mode).attach()
 

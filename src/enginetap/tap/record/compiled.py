@@ -165,6 +165,10 @@ class CompiledTap:
             self._taken[key] = self._names._names.pop(key, None)
         if head is not None:
             self._handles.append(head.register_forward_hook(self._head_hook))
+        if self.mode == "torch.compile":
+            from enginetap.tap.record.inductor import observe_without_changing
+
+            observe_without_changing()  # an inductor graph tapped computes what it did untapped
         self._take_patches_off()
         self.recorder.compiled = self
         return self
