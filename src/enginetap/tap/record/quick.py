@@ -72,8 +72,9 @@ class QuickSteps:
         A step is quick when quick steps are ``enabled``, its kind is settled (the last
         step of its kind verified nothing, so every name it met is verified), it is no
         full verification step, one device defers, no graph capture or compile tracing is
-        on, and no patch splits forwards' rows across ranks (``split``: whether a step is
-        quick is decided per rank, and a row shard is joined by a collective at its call).
+        on, and no patch splits forwards' rows across ranks (``split``, sp_prefill: whether
+        a step is quick is decided per rank, and a row shard is joined by a collective at
+        its call).
         Names gathered rather than deferred are in :attr:`at_call` and still examined at
         their call; a name a quick step cannot defer when examined (new, or of another
         layout) is left out of that step's record (listed under ``"dropped"``) and
@@ -112,18 +113,18 @@ class QuickSteps:
                 return True
             del self.plans[ledger.mode]
         start, dropped, later = len(ledger.names), len(ledger.late_dropped), len(ledger.call_later)
-        names, slots = ledger.names, ledger.slots
+        names, slots, late = ledger.names, ledger.slots, self._late
         for name, value in listed:
             if name is None:
                 device, unique, slot = value
                 names.append((device, unique))
                 slots.append(slot)
             elif isinstance(value, torch.Tensor):
-                self._late(ledger, fast, name, value)
+                late(ledger, fast, name, value)
             elif isinstance(value, (tuple, list)):
                 base = name[:-4]  # "<base>.out": a tuple's tensors are out, out1, ...
                 for suffix, tensor in outputs_of(value):
-                    self._late(ledger, fast, f"{base}.{suffix}", tensor)
+                    late(ledger, fast, f"{base}.{suffix}", tensor)
         if (deferred is not None and len(ledger.late_dropped) == dropped
                 and len(ledger.call_later) == later):
             made = QuickPlan.make(ledger, deferred, fast, listed, start)
