@@ -4,65 +4,91 @@ A checkpoint (:meth:`Checkpointer.take`) is kept for the step-end hash in place
 (deferred, :mod:`enginetap.tap.record.deferred`) where the device allows, else its
 tapped rows are gathered into the step's staging buffer
 (:class:`~enginetap.tap.record.staging.StepStaging`); engines' kernel-level points fill a
-staging slot themselves (:meth:`Checkpointer.row_slot`) or hand rows over
-(:meth:`Checkpointer.checkpoint_rows`). Every checkpoint is added to the step's ordered
-list of names and slots (:meth:`Checkpointer._record`).
+staging slot themselves (:meth:`Checkpointer.slot`) or hand rows over
+(:meth:`Checkpointer.hand_over`). The checkpointer owns every device's staging buffer and
+deferred state, kept step after step; each checkpoint is added to the step's ledger
+(:class:`~enginetap.tap.record.ledger.StepLedger`), in order.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from enginetap.core.rowsplit import join_rows
+from enginetap.tap.options import TapOptions
 from enginetap.tap.record.fingerprint import token_rows
 from enginetap.tap.record.deferred import DeferredHashes
+from enginetap.tap.record.ledger import StepLedger
 from enginetap.tap.record.staging import StepStaging
 
 logger = logging.getLogger("enginetap.tap")
 
-__all__ = ["Checkpointer", "outputs_of"]
+__all__ = ["Checkpointer", "call_key", "outputs_of"]
+
+# Bound once: read on every checkpoint.
+_Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling
+_capturing = torch.cuda.is_current_stream_capturing
 
 
 class Checkpointer:
-    """Checkpoint routing of the recorder (a mixin of :class:`~.recorder.TapRecorder`)."""
+    """Checkpoint routing: every device's staging buffer and deferred state.
 
-    def _record(self, device: torch.device, unique: str, slot: int) -> None:
-        """Add checkpoint ``unique`` (its staging or deferred ``slot``) to the step, in
-        order: in a quick step, among the checkpoints listed for later."""
-        if self.quick is not None:
-            self.quick.append((None, (device, unique, slot)))
-        else:
-            self.names.append((device, unique))
-            self.slots.append(slot)
+    ``pick``: picks the step's tapped rows into its ledger (the recorder's, called where
+    a checkpoint needs them and they are not picked yet)."""
 
-    def index(self, device: torch.device) -> torch.Tensor:
-        """The tapped rows' token indices on ``device`` (built once per step)."""
-        return self._device_list("rows", device)
+    __slots__ = ("options", "staging", "deferred", "fast", "defer", "forced", "cuda",
+                 "refused", "pick", "step")
 
-    def request_index(self, device: torch.device) -> torch.Tensor:
-        """Token index of each tapped request's last tapped row (one per request)."""
-        return self._device_list("requests", device)
+    def __init__(self, options: TapOptions, pick: Callable[[], None]) -> None:
+        self.options = options
+        self.pick = pick
+        self.staging: dict[torch.device, StepStaging] = {}
+        self.deferred: dict[torch.device, DeferredHashes | None] = {}
+        """By device: its deferred state, None where the device does not defer."""
+        self.fast: dict[int, DeferredHashes] = {}
+        """The devices whose checkpoints are deferred, by ``Tensor.get_device()`` index
+        (the checkpoint's fast path: no ``torch.device`` made per call)."""
+        self.defer = options.defer and options.vectors == "off"
+        self.forced = options.force
+        self.cuda = torch.cuda.is_available()
+        self.refused: set[str] = set()
+        self.step: tuple[str, int] = ("", 1)
+        """The current step's kind and number (a device's deferred state starts there)."""
 
-    def _device_list(self, what: str, device: torch.device) -> torch.Tensor:
-        if self._pending is not None:
-            self._prepare()
-        found = self._index.get((what, device))
-        if found is None:
-            values = {"rows": self.token_index, "requests": self.request_token_index,
-                      "inverse": self.request_of_row}[what]
-            found = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-            self._index[(what, device)] = found
-        return found
+    def start(self, mode: str, number: int) -> None:
+        """Step number ``number`` of kind ``mode`` begins."""
+        self.step = (mode, number)
+        for deferred in self.deferred.values():
+            if deferred is not None:
+                deferred.reset(mode, number)
+
+    def rows_picked(self, ledger: StepLedger) -> None:
+        """The step's rows are picked: every device's staging buffer starts the step."""
+        for device, staging in self.staging.items():
+            staging.reset(len(ledger.rows), ledger.device_list("inverse", device))
+
+    def deferring(self) -> tuple[int, DeferredHashes] | None:
+        """The device index and deferred state of the one device that defers (quick steps
+        need exactly one); None otherwise."""
+        return next(iter(self.fast.items())) if len(self.fast) == 1 else None
+
+    def hashed_bytes(self) -> int:
+        """Bytes staged and hashed in place in the step just ended."""
+        return sum(s.used for s in self.staging.values()) + sum(
+            d.hashed_bytes for d in self.deferred.values() if d is not None)
 
     def allowed(self, name: str) -> bool:
         """False (and noted once) inside compile tracing or graph capture unless forced."""
-        if self._forced or not (torch.compiler.is_compiling()
-                                or (self._cuda and torch.cuda.is_current_stream_capturing())):
-            return True
+        return self.forced or not (_compiling() or (self.cuda and _capturing())) \
+            or self._refuse(name)
+
+    def _refuse(self, name: str) -> bool:
         if name not in self.refused:
             self.refused.add(name)
             logger.warning("tap: %s not recorded under torch.compile / CUDA-graph capture "
@@ -70,95 +96,88 @@ class Checkpointer:
                            name)
         return False
 
-    def take(self, name: str, tensor: Any) -> None:
+    def take(self, ledger: StepLedger, name: str, tensor: Any) -> None:
         """Stage the tapped rows of ``tensor`` (a token-major tensor of the step's
         forward) under ``name``; tensors of another layout are skipped. Runs once per
         checkpoint, hundreds of times per step: the usual case (a contiguous tensor on a
         device whose checkpoints are deferred) is a few attribute reads and a kept
         reference, with no tensor object made; the rest takes :meth:`_checkpoint`."""
-        if self.step is None or not isinstance(tensor, torch.Tensor) or not self.allowed(name):
-            return  # allowed() first: under compile tracing nothing else may run here
-        fast = self._fast
+        # allowed(), inlined, and first: under compile tracing nothing else may run here
+        if not isinstance(tensor, _Tensor) or not (
+                self.forced or not (_compiling() or (self.cuda and _capturing()))
+                or self._refuse(name)):
+            return
+        fast = self.fast
         deferred = fast.get(tensor.get_device()) if fast else None
         if deferred is None or tensor.requires_grad or not tensor.is_contiguous():
-            self._checkpoint(name, tensor)
+            self._checkpoint(ledger, name, tensor)
             return
-        words = self._row_words(tensor)
+        words = ledger.row_words(tensor)
         if not words:
-            self._checkpoint(name, tensor)
+            self._checkpoint(ledger, name, tensor)
             return
-        unique = self._unique(name)
+        unique = ledger.unique(name)
         slot = deferred.keep(unique, tensor, words, tensor.nbytes)
         if slot >= 0 and not deferred.needs_check(unique):
-            self._record(deferred.device, unique, -1 - slot)
+            ledger.record(deferred.device, unique, -1 - slot)
             return
-        source = token_rows(tensor, self.padded)
+        source = token_rows(tensor, ledger.padded)
         assert source is not None  # the row layout was checked above
-        self._stage_named(unique, source, slot, deferred)
+        self._stage_named(ledger, unique, source, slot, deferred)
 
-    def _row_words(self, tensor: torch.Tensor) -> int:
-        """32-bit words per token row of a contiguous ``tensor`` whose leading dims are
-        the step's token rows, at a 4-byte aligned address; 0 for any other layout."""
-        shape, padded = tensor.shape, self.padded
-        nbytes = tensor.nbytes
-        if not (shape and (shape[0] == padded or (len(shape) > 1
-                                                    and shape[0] * shape[1] == padded))
-                and nbytes and not nbytes % (4 * padded) and not tensor.data_ptr() % 4):
-            return 0
-        return nbytes // padded // 4
-
-    def _checkpoint(self, name: str, tensor: torch.Tensor) -> None:
+    def _checkpoint(self, ledger: StepLedger, name: str, tensor: torch.Tensor) -> None:
         """:meth:`take` (past :meth:`allowed`) for what its fast path does not
         take (non-contiguous or grad-tracking tensors, row shards of a sequence-parallel
         forward): a view of the rows, deferred where the device allows, else gathered."""
         if tensor.requires_grad:  # only outside inference mode; a view costs little
             tensor = tensor.detach()
-        source = token_rows(tensor, self.padded)
+        padded = ledger.padded
+        source = token_rows(tensor, padded)
         if source is None:
             # A row shard of a sequence-parallel forward: fingerprint every rank's rows.
-            joined = join_rows(tensor, self.padded)
-            source = None if joined is None else token_rows(joined, self.padded)
+            joined = join_rows(tensor, padded)
+            source = None if joined is None else token_rows(joined, padded)
         if source is None:
             return
         device = source.device
-        unique = self._unique(name)
+        unique = ledger.unique(name)
         check, deferred = -1, None
-        if self._defer:
-            deferred = self._deferred.get(device, False)
+        if self.defer:
+            deferred = self.deferred.get(device, False)
             if deferred is False:
                 deferred = self._deferred_for(source)
             if deferred is not None and deferred.accepts(unique, source):
                 check = deferred.add(unique, source)
                 if not deferred.needs_check(unique):
-                    self._record(device, unique, -1 - check)
+                    ledger.record(device, unique, -1 - check)
                     return
-        self._stage_named(unique, source, check, deferred)
+        self._stage_named(ledger, unique, source, check, deferred)
 
-    def _stage_named(self, unique: str, source: torch.Tensor, check: int,
-                     deferred: DeferredHashes | None) -> None:
+    def _stage_named(self, ledger: StepLedger, unique: str, source: torch.Tensor,
+                     check: int, deferred: DeferredHashes | None) -> None:
         """Gather ``source``'s tapped rows under ``unique``; with ``check`` >= 0 the same
         checkpoint is also deferred (slot ``check``) and the two hashes are compared."""
-        if self._pending is not None:
-            self._prepare()
-            if self.step is None:
+        if ledger.pending is not None:
+            self.pick()
+            if not ledger.rows:
                 return
-        slot = self._stage(source)
+        slot = self._stage(ledger, source)
         if check >= 0 and deferred is not None:
             deferred.checks.append((unique, slot, check))
-        elif self._fast and not (deferred is not None and deferred.spent):
+        elif self.fast and not (deferred is not None and deferred.spent):
             # gathered, not deferred: examined at its call in quick steps (not where only
             # this step's byte budget was spent: a long prefill's size says nothing about
             # the name, and its decode steps would all be examined at the call)
-            self._at_call_next.add(_call_key(unique))
-        self._record(source.device, unique, slot)
+            ledger.call_later.add(call_key(unique))
+        ledger.record(source.device, unique, slot)
 
-    def _stage(self, source: torch.Tensor) -> int:
+    def _stage(self, ledger: StepLedger, source: torch.Tensor) -> int:
         """Gather the tapped rows of ``source`` into a staging slot; the slot's place in
         its device's staging order."""
         device = source.device
-        staging = self._staging.get(device) or self._staging_for(device)
-        index = self._index.get(("rows", device))
-        staging.stage(source, self.index(device) if index is None else index)
+        staging = self.staging.get(device) or self.staging_for(ledger, device)
+        index = ledger.index.get(("rows", device))
+        staging.stage(source, ledger.device_list("rows", device) if index is None else index)
         return len(staging.order) - 1
 
     def _deferred_for(self, source: torch.Tensor) -> DeferredHashes | None:
@@ -169,77 +188,57 @@ class Checkpointer:
             found = DeferredHashes(source.device, self.options.defer_bytes,
                                    verify_every=self.options.defer_verify_every,
                                    lag=int(source.device.type == "cuda"
-                                           and self.vectors is None))
-            if self.step is not None:
-                found.reset(self.step.mode, self.step.step)
-        self._deferred[source.device] = found
+                                           and self.options.vectors == "off"))
+            found.reset(*self.step)
+        self.deferred[source.device] = found
         if found is not None:
-            self._fast[source.get_device()] = found
+            self.fast[source.get_device()] = found
         return found
 
-    def checkpoint_rows(self, name: str, rows: torch.Tensor) -> None:
-        """Stage ``rows`` (one per tapped row, already gathered) under ``name``."""
-        self._hand_over(name, rows, per_request=False)
-
-    def checkpoint_requests(self, name: str, rows: torch.Tensor) -> None:
-        """Stage ``rows`` (one per tapped request, in :meth:`request_index` order) under
-        ``name``; every tapped row of a request gets its request's hash."""
-        self._hand_over(name, rows, per_request=True)
-
-    def row_slot(self, name: str, dtype: torch.dtype, width: int,
-                 device: torch.device) -> torch.Tensor | None:
-        """A ``[tapped rows, width]`` staging slot of checkpoint ``name`` for the caller
-        to fill (one gather with ``out=``: rows it reads itself, a cache's); None where
-        the step taps nothing or the point is refused (see :meth:`allowed`)."""
-        if not self.live or not self.allowed(name):
-            return None
-        return self._slot(name, dtype, width, device, per_request=False)
-
-    def request_slot(self, name: str, dtype: torch.dtype, width: int,
-                     device: torch.device) -> torch.Tensor | None:
-        """:meth:`row_slot` with one row per tapped request (in :meth:`request_index`
-        order): every tapped row of a request gets its request's hash."""
-        if not self.live or not self.allowed(name):
-            return None
-        return self._slot(name, dtype, width, device, per_request=True)
-
-    def _hand_over(self, name: str, rows: torch.Tensor, per_request: bool) -> None:
-        if not self.live or not self.allowed(name):
+    def hand_over(self, ledger: StepLedger, name: str, rows: torch.Tensor,
+                  per_request: bool) -> None:
+        """Stage ``rows`` (one per tapped row, already gathered; ``per_request``: one per
+        tapped request) under ``name`` (the rows picked)."""
+        if not self.allowed(name):
             return
-        count = len(self.request_token_index) if per_request else len(self.rows)
+        count = len(ledger.request_token_index) if per_request else len(ledger.rows)
         source = rows.detach().reshape(count, -1)
         if source.dtype == torch.bool:
             source = source.view(torch.uint8)
-        self._slot(name, source.dtype, source.shape[1], source.device, per_request
+        self._slot(ledger, name, source.dtype, source.shape[1], source.device, per_request
                    ).copy_(source)
 
-    def _slot(self, name: str, dtype: torch.dtype, width: int, device: torch.device,
-              per_request: bool) -> torch.Tensor:
-        staging = self._staging_for(device)
+    def slot(self, ledger: StepLedger, name: str, dtype: torch.dtype, width: int,
+             device: torch.device, per_request: bool) -> torch.Tensor | None:
+        """A ``[tapped rows or requests, width]`` staging slot of checkpoint ``name`` for
+        the caller to fill (the rows picked); None where the point is refused (see
+        :meth:`allowed`)."""
+        if not self.allowed(name):
+            return None
+        return self._slot(ledger, name, dtype, width, device, per_request)
+
+    def _slot(self, ledger: StepLedger, name: str, dtype: torch.dtype, width: int,
+              device: torch.device, per_request: bool) -> torch.Tensor:
+        staging = self.staging_for(ledger, device)
         slot = staging.slot(dtype, width,
-                            rows=len(self.request_token_index) if per_request else None)
-        self._record(device, self._unique(name), len(staging.order) - 1)
+                            rows=len(ledger.request_token_index) if per_request else None)
+        ledger.record(device, ledger.unique(name), len(staging.order) - 1)
         return slot
 
-    def note_logits(self, logits: torch.Tensor) -> None:
+    def note_logits(self, ledger: StepLedger, logits: torch.Tensor) -> None:
         """Top-2 logits of each tapped row (``logits`` is ``[tapped rows, vocab]``)."""
-        if not self.options.sampler or not self.live or not self.allowed("sampler"):
+        if not self.allowed("sampler"):
             return
         values, ids = torch.topk(logits.detach().float(), 2, dim=-1)
         packed = torch.cat([ids.to(torch.int64), values.double().view(torch.int64)], dim=1)
-        self.sampler.append((packed.device, packed))
+        ledger.sampler.append((packed.device, packed))
 
-    def _unique(self, name: str) -> str:
-        """``name``, or ``name#2``, ``name#3``... for a module run again in one step."""
-        seen = self.counts.get(name, 0) + 1
-        self.counts[name] = seen
-        return name if seen == 1 else f"{name}#{seen}"
-
-    def _staging_for(self, device: torch.device) -> StepStaging:
-        staging = self._staging.get(device)
+    def staging_for(self, ledger: StepLedger, device: torch.device) -> StepStaging:
+        """``device``'s staging buffer (made, and started on the step, at first use)."""
+        staging = self.staging.get(device)
         if staging is None:
-            staging = self._staging[device] = StepStaging(len(self.rows), device)
-            staging.reset(len(self.rows), self._device_list("inverse", device))
+            staging = self.staging[device] = StepStaging(len(ledger.rows), device)
+            staging.reset(len(ledger.rows), ledger.device_list("inverse", device))
         return staging
 
 
@@ -256,7 +255,7 @@ _REPEAT = re.compile(r"#\d+$")
 _OUTPUT = re.compile(r"\.out\d+$")
 
 
-def _call_key(name: str) -> str:
+def call_key(name: str) -> str:
     """The name a sublayer wrapper tests against :attr:`TapRecorder.at_call` for
     checkpoint ``name``: without a repeat count (``#2``), and a tuple output's tensors
     (``.out1``, ``.out2``...) under the tuple's ``.out``."""

@@ -1,6 +1,6 @@
 """Deferred checkpoints: hashed at step end, in place, by one kernel for the whole step.
 
-The staged path (:class:`~enginetap.tap.record.fingerprint.StepStaging`) costs one gather launch
+The staged path (:class:`~enginetap.tap.record.staging.StepStaging`) costs one gather launch
 per checkpoint. On a GPU a decode step has hundreds of checkpoints, and those launches (and
 the host time around them) are most of what a tap costs. A deferred checkpoint instead
 keeps a reference to the tensor and its version counter; at step end one Triton kernel
@@ -152,7 +152,7 @@ class DeferredHashes:
     def keep_listed(self, names: list[str], tensors: list[torch.Tensor], addresses: list[int],
                     words: list[int], nbytes: int) -> int:
         """:meth:`keep` for many contiguous inference tensors at once (a quick step's
-        planned checkpoints, see :class:`~enginetap.tap.record.QuickPlan`; the caller
+        planned checkpoints, see :class:`~enginetap.tap.record.quick.QuickPlan`; the caller
         checked their layout, that no name is demoted and that ``nbytes`` fits the
         budget): the slot of the first."""
         first = len(self.tensors)

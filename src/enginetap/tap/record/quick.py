@@ -1,136 +1,163 @@
 """Quick steps: a settled step's checkpoints are only listed during the forward and
 examined in one loop at the device wait or step end.
 
-The sublayer wrappers list each deferrable checkpoint's tensor (``recorder.quick``);
-:meth:`QuickSteps.settle` examines the list where the host would otherwise wait for the
-device, and a list that matches the last quick step's of its kind is kept whole by its
-:class:`QuickPlan` (a few C-level passes). A step is quick once its kind is settled: its
-last step verified nothing (:mod:`enginetap.tap.record.deferred`).
+The sublayer wrappers list each deferrable checkpoint's tensor (``recorder.quick``, the
+step ledger's :attr:`~.ledger.StepLedger.listed`); :meth:`QuickSteps.settle` examines the
+list where the host would otherwise wait for the device, and a list that matches the last
+quick step's of its kind is kept whole by its :class:`QuickPlan` (a few C-level passes). A
+step is quick once its kind is settled: its last step verified nothing
+(:mod:`enginetap.tap.record.deferred`). Quick steps read and write the step's ledger and
+the deferring device's state, nothing else of the recorder's.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from enginetap.core.context import Step
 from enginetap.tap.record.fingerprint import token_rows
-from enginetap.tap.record.checkpointer import _call_key, outputs_of
+from enginetap.tap.record.checkpointer import call_key, outputs_of
 from enginetap.tap.record.deferred import DeferredHashes
+from enginetap.tap.record.ledger import StepLedger
 
 __all__ = ["QuickPlan", "QuickSteps"]
 
+Deferring = Mapping[int, DeferredHashes]
+"""The devices whose checkpoints are deferred, by ``Tensor.get_device()`` index."""
+
+
+def _sole(fast: Deferring) -> DeferredHashes | None:
+    """The deferred state of the one device that defers (quick steps need exactly one);
+    None otherwise."""
+    return next(iter(fast.values())) if len(fast) == 1 else None
+
 
 class QuickSteps:
-    """The recorder's quick steps (a mixin of :class:`~.recorder.TapRecorder`)."""
+    """Which steps run quick, and what was learned across steps to decide it: the step
+    kinds settled, the names examined at their call, each kind's plan."""
 
-    def _start_quick(self, step: Step) -> None:
-        """Run ``step`` quick where it can be: every checkpoint deferrable is only listed
-        by the sublayer wrappers (``quick``) and examined in one loop at the device wait or
+    __slots__ = ("at_call", "later", "settled", "plans", "demotions", "cuda")
+
+    def __init__(self) -> None:
+        self.at_call: set[str] = set()
+        """Checkpoint names examined as they come even in a quick step: those gathered
+        rather than deferred (demoted, or of a layout deferral does not take). The
+        sublayer wrappers test it per call; it only changes at a step's begin."""
+        self.later: set[str] = set()
+        """Names the steps since the last begin found to examine at their call (their
+        ledgers' :attr:`~.ledger.StepLedger.call_later`), for :attr:`at_call` at the next."""
+        self.settled: set[str] = set()
+        """Step kinds whose last step verified nothing: their next steps may run quick."""
+        self.plans: dict[str, QuickPlan] = {}
+        """By step kind: the plan of its last quick step's list (see :class:`QuickPlan`)."""
+        self.demotions = 0
+        self.cuda = torch.cuda.is_available()
+
+    def forget(self) -> None:
+        """A model was loaded: its checkpoint names are verified before any quick step."""
+        self.settled.clear()
+        self.plans.clear()
+
+    def start(self, mode: str, fast: Deferring, enabled: bool, split: bool) -> bool:
+        """Whether a step of kind ``mode`` runs quick: every checkpoint deferrable is only
+        listed by the sublayer wrappers and examined in one loop at the device wait or
         step end (:meth:`settle`), where the same Python costs several times less than
         between a forward's launches (BENCHMARKS.md, host cost per operation).
 
-        A step is quick when its kind is settled (the last step of its kind verified
-        nothing, so every name it met is verified), it is no full verification step, one
-        device defers, no graph capture or compile tracing is on, and no patch splits
-        forwards' rows across ranks (sp_prefill: whether a step is quick is decided per
-        rank, and a row shard is joined by a collective at its call). Names gathered
-        rather than deferred are in :attr:`at_call` and still examined at their call; a
-        name a quick step cannot defer when examined (new, or of another layout) is left
-        out of that step's record (listed under ``"dropped"``) and examined at its call,
-        or verified, from the next step on."""
-        if self._at_call_next:
-            self.at_call.update(self._at_call_next)
-            self._at_call_next.clear()
-        deferred = self._only_deferred()
-        if deferred is None or self.context.notes.get("rows_split"):
-            return  # (split rows are joined by a collective: at their call on every rank)
-        if len(deferred.demoted) != self._demotions:
-            self.at_call.update(_call_key(n) for n in list(deferred.demoted)[self._demotions:])
-            self._demotions = len(deferred.demoted)
-        if (self.quick_steps and step.mode in self._settled and not deferred.full
+        A step is quick when quick steps are ``enabled``, its kind is settled (the last
+        step of its kind verified nothing, so every name it met is verified), it is no
+        full verification step, one device defers, no graph capture or compile tracing is
+        on, and no patch splits forwards' rows across ranks (``split``, sp_prefill: whether
+        a step is quick is decided per rank, and a row shard is joined by a collective at
+        its call).
+        Names gathered rather than deferred are in :attr:`at_call` and still examined at
+        their call; a name a quick step cannot defer when examined (new, or of another
+        layout) is left out of that step's record (listed under ``"dropped"``) and
+        examined at its call, or verified, from the next step on."""
+        if self.later:
+            self.at_call.update(self.later)
+            self.later.clear()
+        deferred = _sole(fast)
+        if deferred is None or split:
+            return False  # (split rows are joined by a collective: at their call on every rank)
+        if len(deferred.demoted) != self.demotions:
+            self.at_call.update(call_key(n) for n in list(deferred.demoted)[self.demotions:])
+            self.demotions = len(deferred.demoted)
+        return (enabled and mode in self.settled and not deferred.full
                 and not torch.compiler.is_compiling()
-                and not (self._cuda and torch.cuda.is_current_stream_capturing())):
-            self.quick = []
-            self.quick_step = True
-            self.quick_count += 1
+                and not (self.cuda and torch.cuda.is_current_stream_capturing()))
 
-    def _learn(self, step: Step, quick: bool) -> None:
-        """After a step that was not quick: its kind is settled when it deferred
-        checkpoints and verified none (every name it met had been verified)."""
-        deferred = None if quick else self._only_deferred()
+    def learn(self, mode: str, quick: bool, fast: Deferring) -> None:
+        """After a step of kind ``mode`` that was not ``quick``: its kind is settled when
+        it deferred checkpoints and verified none (every name it met had been verified)."""
+        deferred = None if quick else _sole(fast)
         if deferred is not None and deferred.names and not deferred.checks and not deferred.full:
-            self._settled.add(step.mode)
+            self.settled.add(mode)
 
-    def _only_deferred(self) -> DeferredHashes | None:
-        """The deferred state of the one device that defers (quick steps need exactly
-        one); None otherwise."""
-        return next(iter(self._fast.values())) if len(self._fast) == 1 else None
-
-    def settle(self) -> None:
-        """Examine the checkpoints a quick step listed, in order (see
-        :meth:`_start_quick`); later checkpoints of the step are examined at their call.
+    def settle(self, ledger: StepLedger, listed: list[tuple[str | None, Any]],
+               fast: Deferring) -> bool:
+        """Examine the checkpoints a quick step ``listed``, in order, into its ``ledger``
+        (see :meth:`start`); later checkpoints of the step are examined at their call.
         Where the list matches the plan of the last quick step of its kind
-        (:class:`QuickPlan`) it is kept whole; otherwise one by one, and a new plan made."""
-        listed, self.quick = self.quick, None
-        if not listed or self.step is None:
-            return
-        deferred = self._only_deferred()
-        plan = self._plans.get(self.step.mode)
+        (:class:`QuickPlan`) it is kept whole (True); otherwise one by one, and a new plan
+        made."""
+        deferred = _sole(fast)
+        plan = self.plans.get(ledger.mode)
         if deferred is not None and plan is not None:
-            if plan.keep(self, deferred, listed):
-                self.planned_count += 1
-                return
-            del self._plans[self.step.mode]
-        start, dropped, later = len(self.names), len(self.late_dropped), len(self._at_call_next)
-        names, slots, late = self.names, self.slots, self._late
+            if plan.keep(ledger, deferred, listed):
+                return True
+            del self.plans[ledger.mode]
+        start, dropped, later = len(ledger.names), len(ledger.late_dropped), len(ledger.call_later)
+        names, slots, late = ledger.names, ledger.slots, self._late
         for name, value in listed:
             if name is None:
                 device, unique, slot = value
                 names.append((device, unique))
                 slots.append(slot)
             elif isinstance(value, torch.Tensor):
-                late(name, value)
+                late(ledger, fast, name, value)
             elif isinstance(value, (tuple, list)):
                 base = name[:-4]  # "<base>.out": a tuple's tensors are out, out1, ...
                 for suffix, tensor in outputs_of(value):
-                    late(f"{base}.{suffix}", tensor)
-        if (deferred is not None and len(self.late_dropped) == dropped
-                and len(self._at_call_next) == later):
-            made = QuickPlan.make(self, deferred, listed, start)
+                    late(ledger, fast, f"{base}.{suffix}", tensor)
+        if (deferred is not None and len(ledger.late_dropped) == dropped
+                and len(ledger.call_later) == later):
+            made = QuickPlan.make(ledger, deferred, fast, listed, start)
             if made is not None:
-                self._plans[self.step.mode] = made
+                self.plans[ledger.mode] = made
+        return False
 
-    def _late(self, name: str, tensor: Any) -> None:
-        """:meth:`~.checkpointer.Checkpointer.take` for a checkpoint listed by a quick step, examined after the
-        forward: deferred as it would have been at its call (a contiguous tensor as it
-        is, another through its row view), else left out of this step (its bytes at the
-        call are gone) and examined at its call from the next step."""
+    def _late(self, ledger: StepLedger, fast: Deferring, name: str, tensor: Any) -> None:
+        """The checkpointer's ``take`` for a checkpoint listed by a quick step, examined
+        after the forward: deferred as it would have been at its call (a contiguous tensor
+        as it is, another through its row view), else left out of this step (its bytes at
+        the call are gone) and examined at its call from the next step."""
         if not isinstance(tensor, torch.Tensor):
             return
-        deferred = self._fast.get(tensor.get_device())
+        deferred = fast.get(tensor.get_device())
         if deferred is None or tensor.requires_grad:  # the call would have gathered it
-            if token_rows(tensor, self.padded) is not None:
-                self._leave_out(self._unique(name), at_call=True)
+            if token_rows(tensor, ledger.padded) is not None:
+                self._leave_out(ledger, ledger.unique(name), at_call=True)
             else:
-                self._at_call_next.add(_call_key(name))
+                ledger.call_later.add(call_key(name))
             return
-        words = self._row_words(tensor) if tensor.is_contiguous() else 0
-        source = None if words else token_rows(tensor, self.padded)
+        words = ledger.row_words(tensor) if tensor.is_contiguous() else 0
+        source = None if words else token_rows(tensor, ledger.padded)
         if source is None and not words:  # no token rows (or a row shard): as at the call
-            self._at_call_next.add(_call_key(name))
+            ledger.call_later.add(call_key(name))
             return
-        unique = self._unique(name)
+        unique = ledger.unique(name)
         if not deferred.settled(unique):  # new to this kind of step: verify it first
-            self._leave_out(unique, at_call=False)
+            self._leave_out(ledger, unique, at_call=False)
             return
         if not tensor.is_inference() and tensor._version != deferred.seen_version.get(unique):
             deferred.demote_moved(unique)  # the same code path wrote it after its call
-            self._leave_out(unique, at_call=True)
+            self._leave_out(ledger, unique, at_call=True)
             return
         if words:
             slot = deferred.keep(unique, tensor, words, tensor.nbytes)
@@ -138,17 +165,17 @@ class QuickSteps:
             assert source is not None
             slot = deferred.add(unique, source) if deferred.accepts(unique, source) else -1
         if slot < 0:  # demoted, or the byte budget is spent, or rows it cannot read
-            self._leave_out(unique, at_call=True)
+            self._leave_out(ledger, unique, at_call=True)
             return
-        self.names.append((deferred.device, unique))
-        self.slots.append(-1 - slot)
+        ledger.names.append((deferred.device, unique))
+        ledger.slots.append(-1 - slot)
 
-    def _leave_out(self, unique: str, at_call: bool) -> None:
-        self.late_dropped.append(unique)
+    def _leave_out(self, ledger: StepLedger, unique: str, at_call: bool) -> None:
+        ledger.late_dropped.append(unique)
         if at_call:
-            self._at_call_next.add(_call_key(unique))
-        elif self.step is not None:
-            self._settled.discard(self.step.mode)
+            ledger.call_later.add(call_key(unique))
+        else:
+            self.settled.discard(ledger.mode)
 
 
 @dataclass(slots=True)
@@ -179,21 +206,22 @@ class QuickPlan:
     """The deferred slot of the first kept tensor."""
     device_index: int
     counts: dict[str, int]
-    """Calls per checkpoint name in the list (the recorder's repeat counts)."""
+    """Calls per checkpoint name in the list (the ledger's repeat counts)."""
     order: list[tuple[torch.device, str] | None]
     slots: list[int | None]
-    """What the recorder's names and slots get, None where a checkpoint taken at its call
+    """What the ledger's names and slots get, None where a checkpoint taken at its call
     sits (filled from the list's marker)."""
     markers: list[tuple[int, int]]
     """(place in the list, place in ``order``) of each checkpoint taken at its call."""
 
     @classmethod
-    def make(cls, recorder: Any, deferred: DeferredHashes,
+    def make(cls, ledger: StepLedger, deferred: DeferredHashes, fast: Deferring,
              listed: list[tuple[str | None, Any]], start: int) -> QuickPlan | None:
-        """The plan of ``listed``, just examined one by one into the recorder's names and
-        slots from ``start`` on with nothing left out; None where any checkpoint in it was
-        kept otherwise than as it is (a row view, a version counter to compare, staged)."""
-        names, slots = recorder.names[start:], recorder.slots[start:]
+        """The plan of ``listed``, just examined one by one into the ledger's names and
+        slots from ``start`` on with nothing left out (``deferred``: the one device's in
+        ``fast`` that defers); None where any checkpoint in it was kept otherwise than as
+        it is (a row view, a version counter to compare, staged)."""
+        names, slots = ledger.names[start:], ledger.slots[start:]
         flat: list[torch.Tensor] = []
         uniques: list[str] = []
         words: list[int] = []
@@ -215,7 +243,7 @@ class QuickPlan:
             else:
                 continue
             for call, tensor in called:
-                row_words = recorder._row_words(tensor)
+                row_words = ledger.row_words(tensor)
                 if j >= len(names) or slots[j] >= 0 or not tensor.is_contiguous() \
                         or not tensor.is_inference() or tensor.requires_grad or not row_words:
                     return None
@@ -232,7 +260,7 @@ class QuickPlan:
                 or len(deferred.tensors) != first + len(kept):
             return None
         index = flat[0].get_device()
-        if any(t.get_device() != index for t in flat) or recorder._fast.get(index) is not deferred:
+        if any(t.get_device() != index for t in flat) or fast.get(index) is not deferred:
             return None
         order: list[tuple[torch.device, str] | None] = list(names)
         planned_slots: list[int | None] = list(slots)
@@ -240,15 +268,15 @@ class QuickPlan:
             order[position] = planned_slots[position] = None
         return cls(listed=[name for name, _ in listed], shapes=[t.shape for t in flat],
                    uniques=uniques, words=words,
-                   nbytes=sum(t.nbytes for t in flat), padded=recorder.padded,
+                   nbytes=sum(t.nbytes for t in flat), padded=ledger.padded,
                    demotions=len(deferred.demoted), first=first, device_index=index,
                    counts=counts, order=order, slots=planned_slots, markers=markers)
 
-    def keep(self, recorder: Any, deferred: DeferredHashes,
+    def keep(self, ledger: StepLedger, deferred: DeferredHashes,
              listed: list[tuple[str | None, Any]]) -> bool:
-        """Keep ``listed`` whole as planned, into ``deferred`` and the recorder's names
-        and slots; False (nothing kept) where it differs from the plan."""
-        if (len(listed) != len(self.listed) or recorder.padded != self.padded
+        """Keep ``listed`` whole as planned, into ``deferred`` and the ledger's names and
+        slots; False (nothing kept) where it differs from the plan."""
+        if (len(listed) != len(self.listed) or ledger.padded != self.padded
                 or len(deferred.demoted) != self.demotions
                 or len(deferred.tensors) != self.first
                 or [name for name, _ in listed] != self.listed):
@@ -271,15 +299,15 @@ class QuickPlan:
                 or deferred.held + self.nbytes > deferred.budget:
             return False
         deferred.keep_listed(self.uniques, flat, addresses, self.words, self.nbytes)
-        recorder.counts.update(self.counts)
+        ledger.counts.update(self.counts)
         order, slots = self.order, self.slots
         if self.markers:
             order, slots = order.copy(), slots.copy()
             for i, j in self.markers:
                 device, unique, slot = listed[i][1]
                 order[j], slots[j] = (device, unique), slot
-        recorder.names += order  # type: ignore[arg-type]
-        recorder.slots += slots  # type: ignore[arg-type]
+        ledger.names += order  # type: ignore[arg-type]
+        ledger.slots += slots  # type: ignore[arg-type]
         return True
 
 

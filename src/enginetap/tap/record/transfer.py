@@ -12,69 +12,94 @@ from typing import Any
 
 import torch
 
+from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step
 from enginetap.core.jsonl import NonFinite
+from enginetap.core.sink import RecordSink
 from enginetap.core.tensors import capturing
+from enginetap.tap.options import TapOptions
+from enginetap.tap.record.checkpointer import Checkpointer
+from enginetap.tap.record.deferred import DeferredHashes
+from enginetap.tap.record.ledger import StepLedger
+from enginetap.tap.record.vectors import VectorDump
 from enginetap.tap.schema import header_record, step_record
 
-__all__ = ["Transfer"]
+__all__ = ["Transfer", "header"]
 
 logger = logging.getLogger("enginetap.tap")
 
+Launched = tuple[torch.device, list[str], torch.Tensor, torch.Tensor, list[torch.Tensor]]
+"""One device's step end: its names, verification flags, everything to bring to the host
+in one tensor, and the sampler values in it."""
+
 
 class Transfer:
-    """The recorder's step end (a mixin of :class:`~.recorder.TapRecorder`)."""
+    """The recorder's step end: hashes to the host, records to the ``sink`` (``vectors``:
+    the raw rows dumped beside, where asked for)."""
 
-    def _transfer(self, step: Step) -> Any:
-        """Hash what was staged and bring it to the host (one transfer per device, one
-        device in practice); returns the function that formats the record from it."""
+    __slots__ = ("sink", "vectors", "flags")
+
+    def __init__(self, sink: RecordSink, vectors: VectorDump | None) -> None:
+        self.sink = sink
+        self.vectors = vectors
+        self.flags: list[tuple[torch.cuda.Event, torch.Tensor, DeferredHashes | None,
+                               list[str]]] = []
+        """Verification flags of the last step whose hashes were queued without waiting,
+        with the names they verify (see :meth:`_later`)."""
+
+    def step_end(self, step: Step, ledger: StepLedger, checkpointer: Checkpointer,
+                 compiled: Any) -> Any:
+        """Hash what ``step`` staged and deferred (its ``ledger``, ``checkpointer``'s
+        devices; ``compiled``: a compiled tap's buffer, or None) and bring it to the host
+        (one transfer per device, one device in practice); returns the function that
+        formats the record from it."""
         by_device: dict[torch.device, list[tuple[str, int]]] = {}
-        for (device, name), slot in zip(self.names, self.slots):
+        for (device, name), slot in zip(ledger.names, ledger.slots):
             by_device.setdefault(device, []).append((name, slot))
         host: list[tuple[list[str], torch.Tensor, int]] = []
         dropped: list[str] = []
-        k = len(self.rows)
+        k = len(ledger.rows)
         launched = []
         for device, entries in by_device.items():
-            hashes, names, checks = self._device_hashes(device, entries, dropped)
-            extra = [p.flatten() for d, p in self.sampler if d == device]
+            hashes, names, checks = _device_hashes(ledger, checkpointer, device, entries,
+                                                   dropped)
+            extra = [p.flatten() for d, p in ledger.sampler if d == device]
             launched.append((device, names, checks,
                              torch.cat([hashes.flatten(), checks, *extra]), extra))
         gone = set(dropped)
-        order = [name for _, name in self.names if name not in gone]
-        if self.compiled is not None:  # hashed in the graph: one read of its buffer
-            names, hashes = self.compiled.collect(k)
+        order = [name for _, name in ledger.names if name not in gone]
+        if compiled is not None:  # hashed in the graph: one read of its buffer
+            names, hashes = compiled.collect(k)
             order = names + order
             host.append((names, hashes.flatten(), 0))
-        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": self.rows,
+        head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": ledger.rows,
                 "checkpoints": order, "sampled": dict(step.sampled)}
-        dropped += self.late_dropped
+        dropped += ledger.late_dropped
         if dropped:
             head["dropped"] = dropped
-        if (self.vectors is None and launched and self.compiled is None
+        if (self.vectors is None and launched and compiled is None
                 and all(d.type == "cuda" for d, *_ in launched)
-                and all(d in by_device for d, _ in self.sampler)):
-            return self._transfer_later(launched, head, k)
-        self._apply_flags()
+                and all(d in by_device for d, _ in ledger.sampler)):
+            return self._later(launched, head, k, checkpointer)
+        self.apply_flags()
         # The previous step's record is written now, while the device finishes this step.
         self.sink.pump()
         for device, names, checks, on_device, extra in launched:
             flat = on_device.cpu()
             if checks.numel():
-                deferred = self._deferred[device]
+                deferred = checkpointer.deferred[device]
                 assert deferred is not None
                 deferred.compare_flags(flat[len(names) * k:len(names) * k + checks.numel()])
                 flat = torch.cat([flat[:len(names) * k], flat[len(names) * k + checks.numel():]])
             host.append((names, flat, len(extra)))
             if self.vectors is not None:
-                self.vectors.maybe_dump(step.step, self.rows, names, self._staging[device],
-                                        flat[:len(names) * k])
-        host += [([], p.flatten().cpu(), 1) for d, p in self.sampler if d not in by_device]
+                self.vectors.maybe_dump(step.step, ledger.rows, names,
+                                        checkpointer.staging[device], flat[:len(names) * k])
+        host += [([], p.flatten().cpu(), 1) for d, p in ledger.sampler if d not in by_device]
         return lambda: _format(head, host, k)
 
-    def _transfer_later(self, launched: list[tuple[torch.device, list[str], torch.Tensor,
-                                                   torch.Tensor, list[torch.Tensor]]],
-                        head: dict[str, Any], k: int) -> Any:
+    def _later(self, launched: list[Launched], head: dict[str, Any], k: int,
+               checkpointer: Checkpointer) -> Any:
         """On a GPU: queue the step's hashes into pinned host memory without waiting for
         them. The engine has already synchronized for its sampled tokens, so the device
         would otherwise sit idle through the hash kernel, the transfer and the wait while
@@ -89,10 +114,10 @@ class Transfer:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             copies.append((event, device, names, checks.numel(), host, len(extra)))
-        self._apply_flags()  # the previous step's: landed long ago
-        self._flags = [(event, host[len(names) * k:len(names) * k + n],
-                        self._deferred[device], self._checked(device))
-                       for event, device, names, n, host, _ in copies if n]
+        self.apply_flags()  # the previous step's: landed long ago
+        self.flags = [(event, host[len(names) * k:len(names) * k + n],
+                       checkpointer.deferred[device], _checked(checkpointer, device))
+                      for event, device, names, n, host, _ in copies if n]
         self.sink.pump()  # the previous step's record, while the device works on this one
 
         def make() -> dict[str, Any]:
@@ -107,77 +132,83 @@ class Transfer:
 
         return make
 
-    def _apply_flags(self) -> None:
+    def apply_flags(self) -> None:
         """Demote the deferred checkpoints whose verification failed in the step whose
         hashes were queued last (its flags read once its copy landed)."""
-        flags, self._flags = self._flags, []
+        flags, self.flags = self.flags, []
         for event, equal, deferred, names in flags:
             event.synchronize()
             if deferred is not None:
                 deferred.compare_flags(equal, names)
 
-    def _checked(self, device: torch.device) -> list[str]:
-        """The names this step verified on ``device``, in the order of its flags."""
-        deferred = self._deferred.get(device)
-        return [] if deferred is None else [name for name, _, _ in deferred.checks]
 
-    def _device_hashes(self, device: torch.device, entries: list[tuple[str, int]],
-                       dropped: list[str]) -> tuple[torch.Tensor, list[str], torch.Tensor]:
-        """One device's ``[checkpoints, rows]`` hashes in checkpoint order (staged and
-        deferred merged; deferred tensors modified since their checkpoint left out and
-        named in ``dropped``), the names kept, and the verification flags (int64, 1 where
-        a verified checkpoint's deferred hash equals its staged one)."""
-        staging = self._staging.get(device)
-        staged = staging.hashes() if staging is not None else \
-            torch.zeros((0, len(self.rows)), dtype=torch.int64, device=device)
-        deferred = self._deferred.get(device)
-        no_checks = torch.zeros(0, dtype=torch.int64, device=device)
-        if deferred is None or not deferred.names:
-            return staged, [name for name, _ in entries], no_checks
-        moved = set(deferred.moved())
-        later = deferred.hashes(self.index(device))
-        order, names = [], []
-        for name, slot in entries:
-            if slot < 0 and -1 - slot in moved:
-                dropped.append(name)
-                continue
-            order.append(slot if slot >= 0 else staged.shape[0] - 1 - slot)
-            names.append(name)
-        if not staged.shape[0] and len(order) == later.shape[0]:
-            merged = later  # all deferred, none dropped: already in checkpoint order
-        else:
-            merged = torch.cat([staged, later]).index_select(
-                0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
-        checks = no_checks
-        if deferred.checks:
-            pairs = torch.tensor([(s, d) for _, s, d in deferred.checks], dtype=torch.int64)
-            pairs = pairs.to(device, non_blocking=True)
-            checks = (staged.index_select(0, pairs[:, 0]) == later.index_select(0, pairs[:, 1])
-                      ).all(dim=1).to(torch.int64)
-        return merged, names, checks
+def _checked(checkpointer: Checkpointer, device: torch.device) -> list[str]:
+    """The names this step verified on ``device``, in the order of its flags."""
+    deferred = checkpointer.deferred.get(device)
+    return [] if deferred is None else [name for name, _, _ in deferred.checks]
 
-    def _write_header(self, step: Step) -> None:
-        self._header = True
-        hooks = self.context.hooks
-        header = header_record(
-            engine=step.engine, engine_version=hooks.engine_version(),
-            world_size=self.context.world_size, tp_size=self.context.world_size,
-            kv_block_size=step.kv_block_size, models=self.models,
-            cache_groups=step.extra.get("cache_groups"),
-            options=self.options.model_dump(),
-            compiled=step.extra.get("compiled") or torch.compiler.is_compiling(),
-            cuda_graphs=capturing(), eager=not capturing(),
-            torch=torch.__version__, host=platform.node(),
-        )
-        if self.compiled is not None:  # compiled / CUDA-graph tap (tap/record/compiled.py)
-            header.update(self.compiled.header())
-        self.sink.submit(lambda: header, -1)
-        if step.extra.get("compiled") and self.compiled is None:
-            logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "
-                           "inside the compiled forward are not recorded (torch.compile "
-                           "inlines past their hooks); kernel-level points in custom ops and "
-                           "the sampler are. Run the engine eager (vLLM: enforce_eager=True) "
-                           "to tap every sublayer", step.extra["compiled"])
+
+def _device_hashes(ledger: StepLedger, checkpointer: Checkpointer, device: torch.device,
+                   entries: list[tuple[str, int]], dropped: list[str]
+                   ) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+    """One device's ``[checkpoints, rows]`` hashes in checkpoint order (staged and
+    deferred merged; deferred tensors modified since their checkpoint left out and
+    named in ``dropped``), the names kept, and the verification flags (int64, 1 where
+    a verified checkpoint's deferred hash equals its staged one)."""
+    staging = checkpointer.staging.get(device)
+    staged = staging.hashes() if staging is not None else \
+        torch.zeros((0, len(ledger.rows)), dtype=torch.int64, device=device)
+    deferred = checkpointer.deferred.get(device)
+    no_checks = torch.zeros(0, dtype=torch.int64, device=device)
+    if deferred is None or not deferred.names:
+        return staged, [name for name, _ in entries], no_checks
+    moved = set(deferred.moved())
+    later = deferred.hashes(ledger.device_list("rows", device))
+    order, names = [], []
+    for name, slot in entries:
+        if slot < 0 and -1 - slot in moved:
+            dropped.append(name)
+            continue
+        order.append(slot if slot >= 0 else staged.shape[0] - 1 - slot)
+        names.append(name)
+    if not staged.shape[0] and len(order) == later.shape[0]:
+        merged = later  # all deferred, none dropped: already in checkpoint order
+    else:
+        merged = torch.cat([staged, later]).index_select(
+            0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
+    checks = no_checks
+    if deferred.checks:
+        pairs = torch.tensor([(s, d) for _, s, d in deferred.checks], dtype=torch.int64)
+        pairs = pairs.to(device, non_blocking=True)
+        checks = (staged.index_select(0, pairs[:, 0]) == later.index_select(0, pairs[:, 1])
+                  ).all(dim=1).to(torch.int64)
+    return merged, names, checks
+
+
+def header(context: ArmContext, options: TapOptions, models: list[dict[str, Any]],
+           compiled: Any, step: Step) -> dict[str, Any]:
+    """The tap file's header record, written before ``step``'s (``compiled``: a compiled
+    tap, or None)."""
+    hooks = context.hooks
+    record = header_record(
+        engine=step.engine, engine_version=hooks.engine_version(),
+        world_size=context.world_size, tp_size=context.world_size,
+        kv_block_size=step.kv_block_size, models=models,
+        cache_groups=step.extra.get("cache_groups"),
+        options=options.model_dump(),
+        compiled=step.extra.get("compiled") or torch.compiler.is_compiling(),
+        cuda_graphs=capturing(), eager=not capturing(),
+        torch=torch.__version__, host=platform.node(),
+    )
+    if compiled is not None:  # compiled / CUDA-graph tap (tap/record/compiled.py)
+        record.update(compiled.header())
+    if step.extra.get("compiled") and compiled is None:
+        logger.warning("tap: the engine compiles the model (%s): checkpoints of modules "
+                       "inside the compiled forward are not recorded (torch.compile "
+                       "inlines past their hooks); kernel-level points in custom ops and "
+                       "the sampler are. Run the engine eager (vLLM: enforce_eager=True) "
+                       "to tap every sublayer", step.extra["compiled"])
+    return record
 
 
 def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],
