@@ -7,6 +7,7 @@ rows if not done yet and hands the step's ledger to the checkpointer
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from enginetap.tap.record.ledger import StepLedger
 __all__ = ["RecorderCalls"]
 
 
-class RecorderCalls:
+class RecorderCalls(ABC):
     """The calls of :class:`~.recorder.TapRecorder` that take a step's rows (its base,
     with no state of its own: the step, its ledger and the checkpointer are the
     recorder's, and :meth:`_prepare` is its row picking)."""
@@ -29,8 +30,9 @@ class RecorderCalls:
     checkpointer: Checkpointer
     options: TapOptions
 
+    @abstractmethod
     def _prepare(self) -> None:
-        raise NotImplementedError
+        """Pick the pending step's rows into the ledger (the recorder's row picking)."""
 
     @property
     def active(self) -> bool:
@@ -49,6 +51,11 @@ class RecorderCalls:
         if self.ledger.pending is not None:
             self._prepare()
         return self.ledger.rows
+
+    @property
+    def padded(self) -> int:
+        """Rows the step's forward computes, padding included."""
+        return self.ledger.padded
 
     @property
     def token_index(self) -> list[int]:

@@ -100,8 +100,9 @@ def sublayer_wrapper(recorder: TapRecorder, names: CheckpointNames, around: Any 
     per step, so it contains its own errors (:func:`~enginetap.core.patching.contained`):
     a failure is reported by the recorder and the engine's call goes on unchanged.
 
-    In a quick step (:meth:`TapRecorder._start_quick`) it only lists each checkpoint's
-    tensor (a tuple of outputs as it is) for the recorder to examine after the forward,
+    In a quick step (:meth:`~enginetap.tap.record.quick.QuickSteps.start`) it only lists
+    each checkpoint's tensor (a tuple of outputs as it is) for the recorder to examine
+    after the forward,
     except names in :attr:`TapRecorder.at_call` and kernel-level points.
 
     ``around``: an engine's points read around the module's forward (its ``before`` and
