@@ -195,6 +195,9 @@ def main() -> None:
     for name, spent in SPENT.items():
         ordered = sorted(spent)
         what = "a quick step's settle" if name == "settle" else f"checkpoint in {name}"
+        if not spent:  # e.g. no quick step settled: the CPU without Triton gathers at the call
+            print(f"  {what}: no calls")
+            continue
         print(f"  {what}: median {statistics.median(spent) * 1e6:.2f} us, mean "
               f"{statistics.fmean(spent) * 1e6:.2f} us, p90 "
               f"{ordered[len(ordered) * 9 // 10] * 1e6:.2f} us over {len(spent)} calls")
