@@ -20,7 +20,7 @@ from enginetap.tap.analysis.continuity import check_continuity
 from enginetap.tap.analysis.diff import diff_runs
 from enginetap.tap.analysis.pairs import find_pairs
 
-from .conftest import Recorder, requests
+from .conftest import Recorder, overwrite_between_steps, requests
 
 SAME = ["the cache holds every key", "the cache holds every key", "kernels and caches"]
 
@@ -98,26 +98,13 @@ def test_a_corrupted_row_is_named_by_the_pair_analysis(record: Recorder, model: 
                                                                        agrees)
 
 
-def _overwrite_between_steps(mp: pytest.MonkeyPatch, at_step: int, write: Any) -> None:
-    """After step ``at_step`` sampled (still inside it), run ``write(cache)``."""
-    original = HFEngine._advance
-
-    def advance(self, seqs, logits, cache, mask):
-        result = original(self, seqs, logits, cache, mask)
-        if self.steps == at_step:
-            write(cache)
-        return result
-
-    mp.setattr(HFEngine, "_advance", advance)
-
-
 def test_an_overwritten_recurrent_state_slot_is_named(record: Recorder) -> None:
     def write(cache):
         states = cache.layers[1].recurrent_states[0]
         states[1].copy_(states[2])  # request r2's state lands in r1's slot
 
     with pytest.MonkeyPatch.context() as mp:
-        _overwrite_between_steps(mp, 2, write)
+        overwrite_between_steps(mp, 2, write)
         _, run = record("qwen3_next", requests(SAME))
     found = [v for v in check_continuity(run.rank(0)) if v.kind == "state"]
     assert found, "the overwrite was not seen"
@@ -137,7 +124,7 @@ def test_an_overwritten_kv_row_is_named(record: Recorder) -> None:
         keys[0, :, -1].copy_(keys[2, :, -1])  # r2's newest key lands in r0's row
 
     with pytest.MonkeyPatch.context() as mp:
-        _overwrite_between_steps(mp, 1, write)
+        overwrite_between_steps(mp, 1, write)
         outputs, run = record("llama", requests(SAME))
     found = [v for v in check_continuity(run.rank(0)) if v.kind == "kv"]
     assert found, "the overwrite was not seen"

@@ -24,7 +24,7 @@ from enginetap.engines.hf.arming import disarm
 from enginetap.tap.analysis.diff import diff_runs
 from enginetap.tap.analysis.files import TapRun, load_run
 
-from .conftest import requests
+from .conftest import named_first, overwrite_between_steps, requests
 
 PROMPTS = ["the cache holds every key", "decode", "the cache holds every key"]
 KV_POINTS = ["L0.attn.kv_written", "L0.attn.kv_prev", "L1.attn.kv_written", "L1.attn.kv_prev"]
@@ -115,39 +115,6 @@ def test_moe_and_hybrid_models_compile_armed_and_equal_eager(run: Run, model: st
     assert result.rows_compared > 0 and result.rows_diverged == 0 and result.first is None
 
 
-def _overwrite_after(monkeypatch: pytest.MonkeyPatch, at_step: int, write: Any) -> None:
-    """After step ``at_step`` sampled (still inside it), ``write(cache)``: a cache row
-    changed between steps, outside the compiled graph, as a stray kernel would."""
-    original = HFEngine._advance
-
-    def advance(self: HFEngine, seqs: Any, logits: Any, cache: Any, mask: Any) -> Any:
-        result = original(self, seqs, logits, cache, mask)
-        if self.steps == at_step:
-            write(cache)
-        return result
-
-    monkeypatch.setattr(HFEngine, "_advance", advance)
-
-
-def _named_at_first_reader(clean: TapRun | None, faulted: TapRun | None,
-                           where: tuple[str, int, str], agreeing: str) -> None:
-    """The diff against the clean eager run names the first checkpoint that read the
-    overwritten row (the cache points are not placed in this mode), for that request
-    only, with the checkpoint's input agreeing: the cache was wrong, not the kernel."""
-    assert clean is not None and faulted is not None
-    (result,) = diff_runs(clean, faulted)
-    first = result.first
-    assert first is not None
-    assert (first.key, first.step_a, first.checkpoint) == where
-    assert set(result.per_request) == {where[0]}
-    step = next(s for s in faulted.rank(0).steps if s.step == where[1])
-    ref = next(s for s in clean.rank(0).steps if s.step == where[1])
-    row = next(i for i, r in enumerate(step.rows) if r["key"] == where[0])
-    ref_row = next(i for i, r in enumerate(ref.rows) if r["key"] == where[0])
-    assert step.hashes[step.checkpoints.index(agreeing)][row] == \
-        ref.hashes[ref.checkpoints.index(agreeing)][ref_row]
-
-
 def test_an_overwritten_kv_row_is_named_in_compile_mode(run: Run,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """After step 1, r1's newest layer-0 key lands in r0's row of the cache: step 2's
@@ -158,9 +125,9 @@ def test_an_overwritten_kv_row_is_named_in_compile_mode(run: Run,
         keys = cache.layers[0].keys
         keys[0, :, -1].copy_(keys[1, :, -1])
 
-    _overwrite_after(monkeypatch, 1, write)
+    overwrite_between_steps(monkeypatch, 1, write)
     _, faulted = run("llama", compile="aot_eager")
-    _named_at_first_reader(clean, faulted, ("r0", 2, "L0.attn.out"), "L0.in_norm.out")
+    named_first(clean, faulted, ("r0", 2, "L0.attn.out"), "L0.in_norm.out")
 
 
 def test_an_overwritten_state_slot_is_named_in_compile_mode(
@@ -173,9 +140,9 @@ def test_an_overwritten_state_slot_is_named_in_compile_mode(
         states = cache.layers[1].recurrent_states[0]
         states[1].copy_(states[2])
 
-    _overwrite_after(monkeypatch, 2, write)
+    overwrite_between_steps(monkeypatch, 2, write)
     _, faulted = run("qwen3_next", compile="aot_eager")
-    _named_at_first_reader(clean, faulted, ("r1", 3, "L1.gdn.out"), "L1.in_norm.out")
+    named_first(clean, faulted, ("r1", 3, "L1.gdn.out"), "L1.in_norm.out")
 
 
 def test_detach_puts_the_tap_class_patches_back(tmp_path: Path) -> None:
@@ -226,18 +193,8 @@ def test_a_corrupted_row_is_named_in_compile_mode(run: Run,
     _, eager = run("llama")
     _planted(monkeypatch)
     _, compiled = run("llama", compile="aot_eager")
-    assert eager is not None and compiled is not None
-    (result,) = diff_runs(eager, compiled)
-    first = result.first
-    assert first is not None
-    assert (first.key, first.step_a, first.checkpoint) == ("r1", 1, "L1.mlp.out")
-    assert set(result.per_request) == {"r1"}  # r0 and r2 untouched
-    step = compiled.rank(0).steps[1]
-    clean = eager.rank(0).steps[1]
-    row = next(i for i, r in enumerate(step.rows) if r["key"] == "r1")
-    name = "L1.post_norm.out"  # the MLP's input still agrees
-    assert step.hashes[step.checkpoints.index(name)][row] == \
-        clean.hashes[clean.checkpoints.index(name)][row]
+    # r0 and r2 untouched; the MLP's input still agrees
+    named_first(eager, compiled, ("r1", 1, "L1.mlp.out"), "L1.post_norm.out")
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ from enginetap.tap.analysis.diff import diff_runs
 from enginetap.tap.analysis.files import TapRun, load_run
 from enginetap.tap.analysis.report import analyse, summary
 
+from .conftest import named_first, overwrite_between_steps
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PROMPTS = ["the cache holds every key", "decode", "kernels and caches at once"]
@@ -102,22 +104,6 @@ def test_graphs_mode_records_every_sublayer_checkpoint_and_diffs_against_eager(
     print(f"graphs vs eager: first={result.first} by_checkpoint={dict(result.by_checkpoint)}")
 
 
-def _named_exactly(clean: TapRun | None, faulted: TapRun | None,
-                   where: tuple[str, int, str], agrees: str) -> None:
-    """``tap diff`` names ``(request, step, checkpoint)`` first, that request only, and
-    the request's row at ``agrees`` (an input of the checkpoint) is unchanged."""
-    assert clean is not None and faulted is not None
-    (result,) = diff_runs(clean, faulted)
-    assert result.first is not None
-    key, at, _ = where
-    assert (result.first.key, result.first.step_a, result.first.checkpoint) == where
-    assert set(result.per_request) == {key}
-    step, base = faulted.rank(0).steps[at], clean.rank(0).steps[at]
-    row = next(i for i, r in enumerate(step.rows) if r["key"] == key)
-    assert step.hashes[step.checkpoints.index(agrees)][row] == \
-        base.hashes[base.checkpoints.index(agrees)][row]
-
-
 def _plant(monkeypatch: pytest.MonkeyPatch, hook: Any, where: Callable[[HFEngine], Any]
            ) -> None:
     """Register ``hook`` on ``where(engine)`` before the tap's own hooks (and so inside
@@ -146,7 +132,7 @@ def test_a_corrupted_row_is_named_under_graphs(run: Run,
     _plant(monkeypatch, corrupt, lambda e: e.model.model.layers[1].mlp)
     _, faulted, _ = run("graphs", lengths=(4, 4, 4))
     # the MLP's input still agrees
-    _named_exactly(clean, faulted, ("r1", 1, "L1.mlp.out"), "L1.post_norm.out")
+    named_first(clean, faulted, ("r1", 1, "L1.mlp.out"), "L1.post_norm.out")
 
 
 @cuda
@@ -155,19 +141,14 @@ def test_an_overwritten_kv_row_is_named_under_graphs(run: Run,
     """After decode step 1 sampled, r2's newest layer-0 key lands in r0's row of the
     static cache: step 2's layer-0 attention of r0 (and only r0) reads it."""
     _, clean, _ = run("graphs", lengths=(4, 4, 4))
-    original = HFEngine._advance
+    def write(cache: Any) -> None:
+        keys, column = cache.keys[0], int(cache.columns[-1])
+        keys[0, :, column].copy_(keys[2, :, column])
 
-    def advance(self: HFEngine, seqs: Any, logits: Any, cache: Any, mask: Any) -> Any:
-        result = original(self, seqs, logits, cache, mask)
-        if self.steps == 1:
-            keys, column = cache.keys[0], int(cache.columns[-1])
-            keys[0, :, column].copy_(keys[2, :, column])
-        return result
-
-    monkeypatch.setattr(HFEngine, "_advance", advance)
+    overwrite_between_steps(monkeypatch, 1, write)
     _, faulted, _ = run("graphs", lengths=(4, 4, 4))
     # the attention's input agrees: the cache was wrong
-    _named_exactly(clean, faulted, ("r0", 2, "L0.attn.out"), "L0.in_norm.out")
+    named_first(clean, faulted, ("r0", 2, "L0.attn.out"), "L0.in_norm.out")
 
 
 def test_graphs_mode_refuses_the_cpu() -> None:
