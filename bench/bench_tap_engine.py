@@ -450,6 +450,11 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.profile_lines)
         print(f"\ncProfile of one generate of {args.profile} (batch {batch}), by own time:")
         print("\n".join(text.getvalue().splitlines()[:args.profile_lines + 12]))
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(
+            "enginetap", args.profile_lines)
+        print(f"\nthe same, enginetap's functions by cumulative time:")
+        print("\n".join(text.getvalue().splitlines()[:args.profile_lines + 12]))
 
 
 def main() -> None:

@@ -26,7 +26,13 @@ from enginetap.tap.analysis.report import analyse, summary
 
 from .conftest import named_first, overwrite_between_steps
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def cuda(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that needs CUDA: marked ``gpu`` (``pytest -m gpu`` runs it), skipped without."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs CUDA")(test))
+
 
 PROMPTS = ["the cache holds every key", "decode", "kernels and caches at once"]
 KV_POINTS = ["L0.attn.kv_written", "L0.attn.kv_prev", "L1.attn.kv_written", "L1.attn.kv_prev"]
