@@ -19,9 +19,13 @@ Under CUDA graphs (the built-in engine's ``mode="graphs"``) the same hooks call
 ``enginetap::tap_hash_rows_fixed`` instead: the padded row count is a constant of the
 captured shape and the tapped rows' index tensor is one static tensor per captured batch
 size (:meth:`CompiledTap.capturing`), refilled in place before each replay, so a replay
-does no host work per checkpoint. On CUDA the gather and hash are one Triton launch
-(:mod:`enginetap.tap.record.rowhash`). Index entries past the step's tapped rows repeat its
-first row and are never read back: padding rows are never recorded.
+does no host work per checkpoint. On CUDA the gather and hash are one Triton launch per
+decoder layer (:mod:`enginetap.tap.record.rowhash`): a layer's checkpoints are held until
+its output (or the decoder's) and hashed together (:meth:`CompiledTap.flush`), through a
+table of their addresses that a captured graph reads from a device tensor filled once the
+capture is over (the addresses of a graph's tensors are those of every replay). Index
+entries past the step's tapped rows repeat its first row and are never read back: padding
+rows are never recorded.
 
 Kernel-level points (KV rows, recurrent state around the step) are read by the eager
 wrappers from the engine's cache objects: they are not placed in these modes, and the
@@ -38,6 +42,7 @@ import torch
 from enginetap.tap.record.fingerprint import _weights_from, _words, token_rows
 from enginetap.tap.record.points import CheckpointNames, _hidden
 from enginetap.tap.record import TapRecorder, outputs_of
+from enginetap.tap.record import rowhash
 from enginetap.tap.record.rowhash import fused_hash
 
 if TYPE_CHECKING:
@@ -144,6 +149,16 @@ class CompiledTap:
         self.alias: dict[int, int] = {}
         """Graphs mode: slot -> the slot whose hashes it repeats (see :meth:`_hash`)."""
         self._last: tuple[Any, int] = (None, -1)
+        self._model = model
+        self.pending: list[tuple[torch.Tensor, int]] = []
+        """Graphs mode: the current layer's checkpoints (rows, slot) not hashed yet."""
+        self.tables: dict[int, torch.Tensor] = {}
+        """Graphs mode, by captured padded row count: the device table its graph's
+        per-layer launches read (see :meth:`flush`)."""
+        self._captured: list[list[int]] = []
+        """The table entries of the graph being captured, in launch order."""
+        self.launches = 0
+        """Graphs mode: hash launches made (captured or eager) since attached."""
 
     def header(self) -> dict[str, Any]:
         """What the tap file's header says of this mode."""
@@ -160,11 +175,14 @@ class CompiledTap:
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(name_in), with_kwargs=True))
             if options.depth != "layers" or is_layer:
-                self._handles.append(module.register_forward_hook(self._hook(entry[0])))
+                self._handles.append(module.register_forward_hook(
+                    self._hook(entry[0], is_layer and self.mode == "cuda graphs")))
             key = id(module)
             self._taken[key] = self._names._names.pop(key, None)
         if head is not None:
             self._handles.append(head.register_forward_hook(self._head_hook))
+        if self.mode == "cuda graphs":  # the last layer's pending checkpoints, in the graph
+            self._handles.append(self._model.register_forward_hook(self._flush_hook))
         if self.mode == "torch.compile":
             from enginetap.tap.record.inductor import observe_without_changing
 
@@ -222,9 +240,39 @@ class CompiledTap:
             self.alias[slot] = self._last[1]
             return
         self.alias.pop(slot, None)
+        self._last = (tensor, slot)
+        rows = token_rows(tensor.detach(), self.padded)
+        if rows is not None and slot < self.buffer.shape[0] and self.index.numel() \
+                and rowhash.fusable(rows):
+            self.pending.append((rows, slot))
+            return
         torch.ops.enginetap.tap_hash_rows_fixed(self.buffer, tensor, self.index, slot,
                                                 self.padded)
-        self._last = (tensor, slot)
+        self.launches += 1
+
+    def flush(self) -> None:
+        """Graphs mode: hash the checkpoints held since the last flush in one launch (a
+        decoder layer's, at its output). Under capture the launch reads its entries from
+        this shape's device table, filled when the capture is over (:meth:`capturing`);
+        elsewhere from a table copied for this launch."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        entries = [rowhash.entry(rows, slot) for rows, slot in pending]
+        widest = max(e[2] for e in entries)
+        if torch.cuda.is_current_stream_capturing():
+            table = self.tables[self.padded]
+            start = len(self._captured)
+            self._captured += entries
+            view = table[start:start + len(entries)]
+        else:
+            view = torch.tensor(entries, dtype=torch.int64).to(self.buffer.device,
+                                                               non_blocking=True)
+        rowhash.hash_slots(self.buffer, view, len(entries), self.index, widest)
+        self.launches += 1
+
+    def _flush_hook(self, module: Any, args: tuple, out: Any) -> None:
+        self.flush()
 
     def _pre_hook(self, name: str) -> Any:
         def tap_input(module: Any, args: tuple, kwargs: dict) -> None:
@@ -233,11 +281,13 @@ class CompiledTap:
                 self._hash(hidden, name)
         return tap_input
 
-    def _hook(self, base: str) -> Any:
+    def _hook(self, base: str, is_layer: bool = False) -> Any:
         def tap_output(module: Any, args: tuple, out: Any) -> None:
             for suffix, tensor in outputs_of(out):
                 if isinstance(tensor, torch.Tensor):
                     self._hash(tensor, f"{base}.{suffix}")
+            if is_layer and self.pending:
+                self.flush()
         return tap_output
 
     def _head_hook(self, module: Any, args: tuple, out: Any) -> None:
@@ -253,8 +303,16 @@ class CompiledTap:
         over): its hooks read that shape's static index tensor."""
         self._last = (None, -1)
         if padded is None:
+            if self._captured:  # the capture is over: its launches' table, once
+                table = self.tables[self.padded]
+                table[:len(self._captured)].copy_(torch.tensor(self._captured,
+                                                               dtype=torch.int64))
+            self._captured, self.pending = [], []
             self.padded = 0
             return
+        self._captured, self.pending = [], []
+        self.tables[padded] = torch.zeros((self.buffer.shape[0], rowhash.ENTRY),
+                                          dtype=torch.int64, device=self.buffer.device)
         size = min(padded, self.recorder.options.max_rows)
         index = self.static.get(padded)
         if index is None:
