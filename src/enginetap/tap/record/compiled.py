@@ -158,6 +158,10 @@ class CompiledTap:
         self._captured: list[list[int]] = []
         """The table entries of the graph being captured, in launch order."""
         self.launches = 0
+        self._filled: dict[int, torch.Tensor] = {}
+        """Graphs mode, by captured padded row count: the rows its static index holds."""
+        self._alias_index: tuple[dict[int, int], Any, Any] = ({}, None, None)
+        """:attr:`alias` as index tensors (made again when it changes)."""
         """Graphs mode: hash launches made (captured or eager) since attached."""
 
     def header(self) -> dict[str, Any]:
@@ -318,6 +322,7 @@ class CompiledTap:
         if index is None:
             index = self.static[padded] = torch.zeros(size, dtype=torch.int64,
                                                       device=self.buffer.device)
+            self._filled.pop(padded, None)
         self.index, self.padded = index, padded
 
     def begin(self, padded: int, index: torch.Tensor) -> None:
@@ -329,8 +334,11 @@ class CompiledTap:
         static = self.static.get(padded) if self.mode == "cuda graphs" else None
         if static is not None:
             rows = index.to(torch.int64)[:static.numel()]
-            filler = rows[:1].expand(static.numel() - rows.numel())
-            static.copy_(torch.cat([rows, filler]), non_blocking=True)
+            if rows.numel() < static.numel():
+                rows = torch.cat([rows, rows[:1].expand(static.numel() - rows.numel())])
+            if not torch.equal(self._filled.get(padded, rows[:0]), rows):
+                static.copy_(rows, non_blocking=True)  # (a batch's decode steps: the same)
+                self._filled[padded] = rows
             self.index, self.padded = static, padded
             return
         values = index.to("cpu", torch.int64)
@@ -349,8 +357,14 @@ class CompiledTap:
         ``[names, k]`` hashes on the host."""
         host = self.buffer[:len(self.order)].cpu()
         if self.alias:  # (index tensors: indexing by a list of ints costs milliseconds)
-            host.index_copy_(0, torch.tensor(list(self.alias)),
-                             host.index_select(0, torch.tensor(list(self.alias.values()))))
-        written = host[:, -1].nonzero().flatten()
+            if self._alias_index[0] != self.alias:
+                self._alias_index = (dict(self.alias), torch.tensor(list(self.alias)),
+                                     torch.tensor(list(self.alias.values())))
+            _, to, source = self._alias_index
+            host.index_copy_(0, to, host.index_select(0, source))
+        flags = host[:, -1]
+        if bool(flags.all()):  # every slot written (the usual step): no selection
+            return list(self.order), host[:, :k].contiguous()
+        written = flags.nonzero().flatten()
         return ([self.order[i] for i in written.tolist()],
                 host.index_select(0, written)[:, :k].contiguous())
