@@ -14,9 +14,12 @@ The points ride on the sublayer wrapper of their module's class
 right after the module's output, in execution order. The cache rows a step reads are the
 same for every layer: their flat indices are built once per step on the host and sent in
 one copy; each layer then costs two gathers and one concatenation. Where every token row
-is tapped (decode steps of up to ``max_rows`` requests) and the device defers, the
-concatenated rows are the two points' tensors, hashed at step end with the other deferred
-checkpoints; otherwise they are concatenated into staging slots.
+is tapped in a decode step (up to ``max_rows`` requests, one column each) and the device
+defers, no torch op runs per layer: each point is the cache column as it lies, hashed in
+place at step end by the step's one table kernel with the other deferred checkpoints
+(:meth:`~enginetap.tap.record.checkpointer.Checkpointer.keep_cache`; gathered too in
+verification steps). A prefill whose every row is tapped keeps the concatenated rows as
+the points' tensors; otherwise they are concatenated into staging slots.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from enginetap.core.scope import SCOPE, sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record import TapRecorder, kernels
+from enginetap.tap.record.deferred import cache_layout
 from enginetap.tap.record.points import sublayer_wrapper
 
 __all__ = ["CachePoints", "tap_points"]
@@ -119,6 +123,9 @@ class CachePoints:
         columns, device = hidden.shape[1], keys.device
         rows = len(recorder.token_index)
         whole = rows == recorder.padded and self._defers(keys)
+        if whole and columns == 1 and cache_layout(keys, values):
+            self._kv_in_place(points, keys, values, rows)
+            return
         tokens = range(rows) if whole else recorder.token_index
         index = self._cached(("kv", whole, heads, length, columns, device),
                              lambda: _kv_rows(tokens, heads, length, columns), device)
@@ -141,6 +148,27 @@ class CachePoints:
             slot = recorder.row_slot(point, dtype, width, device)
             if slot is not None:
                 torch.cat([k[i], v[i]], 1, out=slot)
+
+    def _kv_in_place(self, points: _Points, keys: torch.Tensor, values: torch.Tensor,
+                     rows: int) -> None:
+        """A decode step whose every token row is tapped (row ``i`` is batch row ``i``)
+        on a deferring device: each point is the cache pair's column kept as it lies, to
+        hash in place at step end (no torch call); the rows are gathered into a staging
+        slot only where the checkpointer asks (verification, a demoted name, the byte
+        budget spent)."""
+        recorder = self.recorder
+        checkpointer, ledger = recorder.checkpointer, recorder.ledger
+        _, heads, length, dim = keys.shape
+        for i, point in enumerate(points.kv):  # written: the last column; previous: before it
+            slot = checkpointer.keep_cache(ledger, point, keys, values, max(length - 1 - i, 0))
+            if slot is None:
+                continue
+            index = self._cached(("kv", True, heads, length, 1, keys.device),
+                                 lambda: _kv_rows(range(rows), heads, length, 1), keys.device)
+            part = index[i * rows * heads:(i + 1) * rows * heads]
+            torch.cat([keys.reshape(-1, dim).index_select(0, part).view(rows, heads * dim),
+                       values.reshape(-1, dim).index_select(0, part).view(rows, heads * dim)],
+                      1, out=slot)
 
     def _states(self, points: _Points, hidden: Any, kwargs: dict, before: bool) -> None:
         recorder = self.recorder

@@ -33,11 +33,19 @@ rules that out at the gather path's cost.
 
 Deferral needs Triton on the tensor's device (CUDA; Triton's interpreter on a CPU in the
 tests) and rows of 32-bit words at a 4-byte aligned address; anything else is staged.
+
+A checkpoint's row may also be read in pieces: a KV cache column (:meth:`DeferredHashes.
+keep_cache`, the built-in engine's decode steps) is every head's key then every head's
+value, read from the cache tensors where they lie, with no gather or concatenation per
+layer. The cache tensors are referenced until step end like any kept tensor, and verified
+like one (a write into the cache after the layer, within the step, is what verification
+catches); the byte budget counts the bytes hashed, not the caches' size.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from array import array
 from dataclasses import dataclass, field
 
@@ -45,7 +53,19 @@ import torch
 
 logger = logging.getLogger("enginetap.tap")
 
-__all__ = ["DeferredHashes"]
+__all__ = ["DeferredHashes", "cache_layout"]
+
+
+def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether a ``[batch, heads, length, dim]`` key and value cache pair can be kept as
+    it is (:meth:`DeferredHashes.keep_cache`): the same shape and strides, each head's
+    ``dim`` contiguous, every stride and ``dim`` whole 32-bit words, 4-byte aligned."""
+    stride, size = keys.stride(), keys.element_size()
+    return (keys.dim() == 4 and values.stride() == stride and values.shape == keys.shape
+            and values.dtype == keys.dtype and stride[3] == 1
+            and not (keys.shape[3] * size % 4 or stride[0] * size % 4
+                     or stride[1] * size % 4 or stride[2] * size % 4
+                     or keys.data_ptr() % 4 or values.data_ptr() % 4))
 
 
 @dataclass
@@ -72,8 +92,13 @@ class DeferredHashes:
     strides: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)
     """Per kept tensor: address, row stride and row width in 32-bit words (the hash
-    kernel's table, taken when the tensor is kept; three flat lists: one buffer copy
-    makes the table)."""
+    kernel's table, taken when the tensor is kept; flat lists: one buffer copy makes the
+    table). A KV cache column (:meth:`keep_cache`) has the width of one head here."""
+    pieces: dict[int, tuple[int, int, int, torch.Tensor, int | None]] = field(
+        default_factory=dict)
+    """Slots kept as a KV cache column (:meth:`keep_cache`): their heads, the heads'
+    stride in words, the values' address, the values tensor and its version counter (the
+    keys are the slot's tensor). Other slots are one segment with no second piece."""
     checks: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, staged slot, deferred slot) of the checkpoints verified this step."""
     held: int = 0
@@ -92,7 +117,7 @@ class DeferredHashes:
     def reset(self, mode: str = "", step: int = 1) -> None:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
-        self.addresses, self.strides, self.widths = [], [], []
+        self.addresses, self.strides, self.widths, self.pieces = [], [], [], {}
         self.mode = mode
         self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
@@ -165,6 +190,30 @@ class DeferredHashes:
         self.names += names
         return first
 
+    def keep_cache(self, name: str, keys: torch.Tensor, values: torch.Tensor, column: int,
+                   rows: int) -> int:
+        """Keep column ``column`` of batch rows ``0..rows-1`` of a ``[batch, heads, length,
+        dim]`` key and value cache pair (the same layout, checked by the caller with
+        :func:`cache_layout`) to hash in place at step end, with no copy: row ``i``'s words
+        are every head's key at that column, then every head's value, as the gathered
+        ``[k heads..., v heads...]`` row. Its slot, or -1 if it must be gathered instead
+        (demoted, or over the byte budget: the bytes hashed count, the caches live on)."""
+        _, heads, _, dim = keys.shape
+        size = keys.element_size()
+        nbytes = rows * 2 * heads * dim * size
+        if name in self.demoted or self.held + nbytes > self.budget:
+            self.spent = name not in self.demoted
+            return -1
+        self.spent = False
+        self.held += nbytes
+        stride = keys.stride()
+        at = column * stride[2] * size
+        slot = self._append(name, keys, keys.data_ptr() + at, stride[0] * size // 4,
+                            dim * size // 4)
+        self.pieces[slot] = (heads, stride[1] * size // 4, values.data_ptr() + at, values,
+                             None if values.is_inference() else values._version)
+        return slot
+
     def _append(self, name: str, tensor: torch.Tensor, address: int, stride: int,
                 width: int) -> int:
         self.addresses.append(address)
@@ -182,6 +231,9 @@ class DeferredHashes:
         """Slots whose tensor was modified in place since its checkpoint (demoted)."""
         moved = [i for i, (t, v) in enumerate(zip(self.tensors, self.versions))
                  if v is not None and t._version != v]
+        if self.pieces:  # a cache column's values: their own version counter
+            moved = sorted({*moved, *(i for i, (_, _, _, values, v) in self.pieces.items()
+                                      if v is not None and values._version != v)})
         for i in moved:
             self.demote_moved(self.names[i])
         return moved
@@ -192,6 +244,21 @@ class DeferredHashes:
         self._demote(name, "modified in place after its checkpoint, before the step ended "
                            "(its version counter moved)")
 
+    def arrange(self, order: list[int]) -> None:
+        """Put the kept tensors in ``order`` (a permutation of their slots): slot ``i``
+        becomes the one that was ``order[i]``, so that :meth:`hashes` returns them in that
+        order. No-op where ``order`` is already theirs (the usual case)."""
+        if len(order) < 2 or order == list(range(len(order))):
+            return
+        pick = operator.itemgetter(*order)
+        self.tensors, self.versions, self.names = (
+            list(pick(self.tensors)), list(pick(self.versions)), list(pick(self.names)))
+        self.addresses, self.strides, self.widths = (
+            list(pick(self.addresses)), list(pick(self.strides)), list(pick(self.widths)))
+        if self.pieces:
+            position = dict(zip(order, range(len(order))))
+            self.pieces = {position[slot]: piece for slot, piece in self.pieces.items()}
+
     def hashes(self, index: torch.Tensor) -> torch.Tensor:
         """``[deferred, rows]`` int64 hashes of rows ``index`` of every kept tensor, one
         launch; the references are dropped (the kernel is queued after the step's work on
@@ -200,13 +267,21 @@ class DeferredHashes:
 
         if not self.tensors:
             return torch.zeros((0, index.numel()), dtype=torch.int64, device=self.device)
-        widths = self.widths
-        widest = max(1, max(widths))
-        self.hashed_bytes += sum(widths) * 4 * index.numel()
-        table = torch.frombuffer(array("q", self.addresses + self.strides + widths),
-                                 dtype=torch.int64).view(3, len(widths))
+        widths, n = self.widths, len(self.widths)
+        words = sum(widths)
+        segments, segment_strides, seconds = [1] * n, [0] * n, [0] * n
+        for slot, (heads, apart, second, _, _) in self.pieces.items():
+            segments[slot], segment_strides[slot], seconds[slot] = heads, apart, second
+            words += (2 * heads - 1) * widths[slot]
+        widest = max(1, max(w * c for w, c in zip(widths, segments)) if self.pieces
+                     else max(widths))
+        self.hashed_bytes += words * 4 * index.numel()
+        table = torch.frombuffer(array("q", self.addresses + self.strides + widths + segments
+                                       + segment_strides + seconds),
+                                 dtype=torch.int64).view(6, n)
         out = kernels.hash_table_rows(table.to(self.device, non_blocking=True), index, widest)
         self.tensors, self.addresses, self.strides, self.widths = [], [], [], []
+        self.pieces = {}
         return out
 
     def compare_flags(self, equal: torch.Tensor, names: list[str] | None = None) -> None:
