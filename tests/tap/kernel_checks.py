@@ -92,9 +92,9 @@ assert not cache_layout(keys[..., :3], values[..., :3])  # 6-byte runs: not whol
 deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20)
 deferred.reset("decode", 1)
 rows = torch.arange(3)
-assert deferred.keep_cache("kv_written", keys, values, 8, rows=3) == 0
+assert deferred.keep_cache(["kv_written"], keys, values, (8,), rows=3) == [0]
 assert deferred.keep("hidden", hidden, words=24, nbytes=hidden.nbytes) == 1
-assert deferred.keep_cache("kv_prev", keys, values, 7, rows=3) == 2
+assert deferred.keep_cache(["kv_prev"], keys, values, (7,), rows=3) == [2]
 assert deferred.held == hidden.nbytes + 2 * 3 * 2 * 2 * 16 * 2  # the bytes hashed
 deferred.arrange([1, 2, 0])
 assert deferred.names == ["hidden", "kv_prev", "kv_written"]
@@ -106,8 +106,10 @@ assert torch.equal(got, torch.stack([hash_rows(hidden.view(3, -1)),
 # a demoted name, or one over the byte budget, is not kept
 deferred.reset("decode", 2)
 deferred.demoted["kv_prev"] = "test"
-assert deferred.keep_cache("kv_prev", keys, values, 7, rows=3) == -1 and not deferred.spent
-small = DeferredHashes(torch.device("cpu"), budget=200)
+assert deferred.keep_cache(["kv_written", "kv_prev"], keys, values, (8, 7), rows=3) == [0, -1]
+assert not deferred.spent and deferred.names == ["kv_written"]
+small = DeferredHashes(torch.device("cpu"), budget=400)  # one column's 384 bytes fit
 small.reset("decode", 1)
-assert small.keep_cache("kv_written", keys, values, 8, rows=3) == -1 and small.spent
+assert small.keep_cache(["kv_written", "kv_prev"], keys, values, (8, 7), rows=3) == [0, -1]
+assert small.spent and small.held == 384
 print("kernels agree")

@@ -157,12 +157,11 @@ class CachePoints:
         slot only where the checkpointer asks (verification, a demoted name, the byte
         budget spent)."""
         recorder = self.recorder
-        checkpointer, ledger = recorder.checkpointer, recorder.ledger
         _, heads, length, dim = keys.shape
-        for i, point in enumerate(points.kv):  # written: the last column; previous: before it
-            slot = checkpointer.keep_cache(ledger, point, keys, values, max(length - 1 - i, 0))
-            if slot is None:
-                continue
+        # written: the last column; previous: the one before it
+        fill = recorder.checkpointer.keep_cache(recorder.ledger, points.kv, keys, values,
+                                                (length - 1, max(length - 2, 0)))
+        for i, slot in fill:
             index = self._cached(("kv", True, heads, length, 1, keys.device),
                                  lambda: _kv_rows(range(rows), heads, length, 1), keys.device)
             part = index[i * rows * heads:(i + 1) * rows * heads]

@@ -58,14 +58,16 @@ __all__ = ["DeferredHashes", "cache_layout"]
 
 def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether a ``[batch, heads, length, dim]`` key and value cache pair can be kept as
-    it is (:meth:`DeferredHashes.keep_cache`): the same shape and strides, each head's
-    ``dim`` contiguous, every stride and ``dim`` whole 32-bit words, 4-byte aligned."""
-    stride, size = keys.stride(), keys.element_size()
-    return (keys.dim() == 4 and values.stride() == stride and values.shape == keys.shape
-            and values.dtype == keys.dtype and stride[3] == 1
-            and not (keys.shape[3] * size % 4 or stride[0] * size % 4
-                     or stride[1] * size % 4 or stride[2] * size % 4
-                     or keys.data_ptr() % 4 or values.data_ptr() % 4))
+    it is (:meth:`DeferredHashes.keep_cache`): the same shape, dtype and strides, each
+    head's ``dim`` contiguous, every stride and ``dim`` whole 32-bit words, 4-byte
+    aligned."""
+    stride = keys.stride()
+    if len(stride) != 4 or stride[3] != 1 or values.stride() != stride \
+            or values.shape != keys.shape or values.dtype != keys.dtype:
+        return False
+    # x * size is a multiple of 4 for each x exactly when it is for their bitwise or
+    return not ((stride[0] | stride[1] | stride[2] | keys.shape[3]) * keys.element_size() % 4
+                or (keys.data_ptr() | values.data_ptr()) % 4)
 
 
 @dataclass
@@ -190,29 +192,44 @@ class DeferredHashes:
         self.names += names
         return first
 
-    def keep_cache(self, name: str, keys: torch.Tensor, values: torch.Tensor, column: int,
-                   rows: int) -> int:
-        """Keep column ``column`` of batch rows ``0..rows-1`` of a ``[batch, heads, length,
-        dim]`` key and value cache pair (the same layout, checked by the caller with
-        :func:`cache_layout`) to hash in place at step end, with no copy: row ``i``'s words
-        are every head's key at that column, then every head's value, as the gathered
-        ``[k heads..., v heads...]`` row. Its slot, or -1 if it must be gathered instead
-        (demoted, or over the byte budget: the bytes hashed count, the caches live on)."""
+    def keep_cache(self, names: list[str], keys: torch.Tensor, values: torch.Tensor,
+                   columns: tuple[int, ...], rows: int) -> list[int]:
+        """Keep, under each of ``names``, its column (``columns``) of batch rows
+        ``0..rows-1`` of a ``[batch, heads, length, dim]`` key and value cache pair (the same
+        layout, checked by the caller with :func:`cache_layout`) to hash in place at step
+        end, with no copy: row ``i``'s words are every head's key at that column, then
+        every head's value, as the gathered ``[k heads..., v heads...]`` row. Each name's
+        slot, or -1 where it must be gathered instead (demoted, or over the byte budget:
+        the bytes hashed count, the caches live on). One call for a layer's points: what
+        they share is read once."""
         _, heads, _, dim = keys.shape
         size = keys.element_size()
         nbytes = rows * 2 * heads * dim * size
-        if name in self.demoted or self.held + nbytes > self.budget:
-            self.spent = name not in self.demoted
-            return -1
-        self.spent = False
-        self.held += nbytes
         stride = keys.stride()
-        at = column * stride[2] * size
-        slot = self._append(name, keys, keys.data_ptr() + at, stride[0] * size // 4,
-                            dim * size // 4)
-        self.pieces[slot] = (heads, stride[1] * size // 4, values.data_ptr() + at, values,
-                             None if values.is_inference() else values._version)
-        return slot
+        at, kept, vkept = stride[2] * size, keys.data_ptr(), values.data_ptr()
+        row, width, apart = stride[0] * size // 4, dim * size // 4, stride[1] * size // 4
+        version = None if keys.is_inference() else keys._version
+        vversion = None if values.is_inference() else values._version
+        slots = []
+        for name, column in zip(names, columns):
+            if name in self.demoted or self.held + nbytes > self.budget:
+                self.spent = name not in self.demoted
+                slots.append(-1)
+                continue
+            self.spent = False
+            self.held += nbytes
+            slot = len(self.tensors)
+            self.addresses.append(kept + column * at)
+            self.strides.append(row)
+            self.widths.append(width)
+            self.tensors.append(keys)
+            self.versions.append(version)
+            self.names.append(name)
+            if version is not None:
+                self.seen_version[name] = version
+            self.pieces[slot] = (heads, apart, vkept + column * at, values, vversion)
+            slots.append(slot)
+        return slots
 
     def _append(self, name: str, tensor: torch.Tensor, address: int, stride: int,
                 width: int) -> int:
