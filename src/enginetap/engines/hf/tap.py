@@ -24,7 +24,7 @@ the points' tensors; otherwise they are concatenated into staging slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -119,23 +119,20 @@ class CachePoints:
                 or keys.dim() != 4 or values.shape != keys.shape \
                 or keys.shape[0] != hidden.shape[0]:
             return
-        batch, heads, length, dim = keys.shape
-        columns, device = hidden.shape[1], keys.device
+        columns = hidden.shape[1]
         rows = len(recorder.token_index)
         whole = rows == recorder.padded and self._defers(keys)
         if whole and columns == 1 and cache_layout(keys, values):
             self._kv_in_place(points, keys, values, rows)
             return
-        tokens = range(rows) if whole else recorder.token_index
-        index = self._cached(("kv", whole, heads, length, columns, device),
-                             lambda: _kv_rows(tokens, heads, length, columns), device)
-        k = keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
-        v = values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
+        k, v = self._gather(keys, values, range(rows) if whole else recorder.token_index,
+                            columns, whole)
         if whole:
-            # Every token row is tapped (a decode step of up to max_rows requests): the
-            # gathered rows, in token order, are the points' tensors, kept and hashed at
-            # step end with the step's other deferred checkpoints (no staging slot); a
-            # quick step lists them in order, as the sublayer wrappers do.
+            # Every token row is tapped, not as cache columns (a prefill's rows, a cache
+            # of another layout): the gathered rows, in token order, are the points'
+            # tensors, kept and hashed at step end with the step's other deferred
+            # checkpoints (no staging slot); a quick step lists them in order, as the
+            # sublayer wrappers do.
             both, quick = torch.cat([k, v], 2), recorder.quick
             for i, point in enumerate(points.kv):
                 if quick is not None and point not in recorder.at_call:
@@ -143,9 +140,9 @@ class CachePoints:
                 else:
                     recorder.take(point, both[i])
             return
-        width, dtype = 2 * heads * dim, keys.dtype
+        width, dtype = 2 * keys.shape[1] * keys.shape[3], keys.dtype
         for i, point in enumerate(points.kv):
-            slot = recorder.row_slot(point, dtype, width, device)
+            slot = recorder.row_slot(point, dtype, width, keys.device)
             if slot is not None:
                 torch.cat([k[i], v[i]], 1, out=slot)
 
@@ -157,17 +154,26 @@ class CachePoints:
         slot only where the checkpointer asks (verification, a demoted name, the byte
         budget spent)."""
         recorder = self.recorder
-        _, heads, length, dim = keys.shape
+        length = keys.shape[2]
         # written: the last column; previous: the one before it
         fill = recorder.checkpointer.keep_cache(recorder.ledger, points.kv, keys, values,
                                                 (length - 1, max(length - 2, 0)))
-        for i, slot in fill:
-            index = self._cached(("kv", True, heads, length, 1, keys.device),
-                                 lambda: _kv_rows(range(rows), heads, length, 1), keys.device)
-            part = index[i * rows * heads:(i + 1) * rows * heads]
-            torch.cat([keys.reshape(-1, dim).index_select(0, part).view(rows, heads * dim),
-                       values.reshape(-1, dim).index_select(0, part).view(rows, heads * dim)],
-                      1, out=slot)
+        if fill:
+            k, v = self._gather(keys, values, range(rows), 1, True)
+            for i, slot in fill:
+                torch.cat([k[i], v[i]], 1, out=slot)
+
+    def _gather(self, keys: torch.Tensor, values: torch.Tensor, tokens: Sequence[int],
+                columns: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value heads of the rows ``tokens`` at their written and previous
+        columns: ``[2, rows, heads * dim]`` each, one gather each (the flat row indices
+        built once per step)."""
+        _, heads, length, dim = keys.shape
+        device, rows = keys.device, len(tokens)
+        index = self._cached(("kv", whole, heads, length, columns, device),
+                             lambda: _kv_rows(tokens, heads, length, columns), device)
+        return (keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim),
+                values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim))
 
     def _states(self, points: _Points, hidden: Any, kwargs: dict, before: bool) -> None:
         recorder = self.recorder

@@ -37,9 +37,10 @@ tests) and rows of 32-bit words at a 4-byte aligned address; anything else is st
 A checkpoint's row may also be read in pieces: a KV cache column (:meth:`DeferredHashes.
 keep_cache`, the built-in engine's decode steps) is every head's key then every head's
 value, read from the cache tensors where they lie, with no gather or concatenation per
-layer. The cache tensors are referenced until step end like any kept tensor, and verified
-like one (a write into the cache after the layer, within the step, is what verification
-catches); the byte budget counts the bytes hashed, not the caches' size.
+layer. The cache tensors are referenced until step end like any kept tensor and verified
+like one (a write into the cache after the layer and before step end is caught in
+verification steps; in others it is in the bytes hashed); the byte budget counts the
+bytes hashed, not the caches' size.
 """
 
 from __future__ import annotations
