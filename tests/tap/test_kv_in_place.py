@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from enginetap.tap.analysis.continuity import check_continuity
 from enginetap.tap.analysis.files import load_run
+from enginetap.tap.record.deferred import DeferredHashes
 
 from .conftest import named_first
 
@@ -60,3 +62,25 @@ def test_an_overwritten_kv_row_in_a_quick_step_is_named_by_a_diff(tmp_path: Path
     assert found["faulted"]["demoted"] == []
     clean, faulted = load_run(tmp_path / "clean"), load_run(tmp_path / "faulted")
     named_first(clean, faulted, ("r0", 4, "L0.attn.kv_written"), "L0.attn.out")
+
+
+def test_a_cache_column_written_through_a_version_counter_is_dropped() -> None:
+    """Cache columns kept in place are dropped (and demoted) like any kept tensor when the
+    keys' or the values' version counter moved before step end; inference tensors have
+    none to compare."""
+    deferred = DeferredHashes(torch.device("cpu"), budget=1 << 20)
+    for touched in ("keys", "values"):
+        deferred.reset("decode", 1)
+        deferred.demoted.clear()
+        cache = {"keys": torch.zeros(2, 2, 4, 8), "values": torch.zeros(2, 2, 4, 8)}
+        kept = deferred.keep_cache(["w", "p"], cache["keys"], cache["values"], (3, 2), rows=2)
+        assert kept == [0, 1] and deferred.moved() == []
+        cache[touched][0, :, 3].add_(1.0)
+        assert deferred.moved() == [0, 1] and set(deferred.demoted) == {"w", "p"}, touched
+    deferred.reset("decode", 2)
+    deferred.demoted.clear()
+    with torch.inference_mode():
+        keys, values = torch.zeros(2, 2, 4, 8), torch.zeros(2, 2, 4, 8)
+        assert deferred.keep_cache(["w"], keys, values, (3,), rows=2) == [0]
+        values.add_(1.0)
+    assert deferred.moved() == [] and not deferred.demoted

@@ -102,6 +102,8 @@ class DeferredHashes:
     """Slots kept as a KV cache column (:meth:`keep_cache`): their heads, the heads'
     stride in words, the values' address, the values tensor and its version counter (the
     keys are the slot's tensor). Other slots are one segment with no second piece."""
+    counted_values: bool = False
+    """Some cache column's values track a version counter (see :meth:`moved`)."""
     checks: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, staged slot, deferred slot) of the checkpoints verified this step."""
     held: int = 0
@@ -121,6 +123,7 @@ class DeferredHashes:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
         self.addresses, self.strides, self.widths, self.pieces = [], [], [], {}
+        self.counted_values = False
         self.mode = mode
         self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
@@ -211,6 +214,8 @@ class DeferredHashes:
         row, width, apart = stride[0] * size // 4, dim * size // 4, stride[1] * size // 4
         version = None if keys.is_inference() else keys._version
         vversion = None if values.is_inference() else values._version
+        if vversion is not None:
+            self.counted_values = True
         slots = []
         for name, column in zip(names, columns):
             if name in self.demoted or self.held + nbytes > self.budget:
@@ -247,9 +252,12 @@ class DeferredHashes:
 
     def moved(self) -> list[int]:
         """Slots whose tensor was modified in place since its checkpoint (demoted)."""
-        moved = [i for i, (t, v) in enumerate(zip(self.tensors, self.versions))
+        versions = self.versions
+        if versions.count(None) == len(versions) and not self.counted_values:
+            return []  # inference tensors (the engines' forwards): no counter to compare
+        moved = [i for i, (t, v) in enumerate(zip(self.tensors, versions))
                  if v is not None and t._version != v]
-        if self.pieces:  # a cache column's values: their own version counter
+        if self.counted_values:  # a cache column's values: their own version counter
             moved = sorted({*moved, *(i for i, (_, _, _, values, v) in self.pieces.items()
                                       if v is not None and values._version != v)})
         for i in moved:
