@@ -130,13 +130,20 @@ def emulate_deferral() -> None:
 
     def table_rows(table: torch.Tensor, index: torch.Tensor, max_words: int) -> torch.Tensor:
         start = time.thread_time()
-        addresses, strides, widths = table.tolist()
         last = int(index.max()) if index.numel() else 0
-        out = torch.empty((len(widths), index.numel()), dtype=torch.int64)
-        for c, (address, stride, width) in enumerate(zip(addresses, strides, widths)):
-            span = (ctypes.c_int32 * (last * stride + width)).from_address(address)
-            words = torch.frombuffer(span, dtype=torch.int32)
-            out[c] = hash_rows(words.as_strided((last + 1, width), (stride, 1))[index])
+        out = torch.empty((table.shape[1], index.numel()), dtype=torch.int64)
+        for c, (address, stride, width, segments, apart, second) in enumerate(
+                zip(*table.tolist())):
+            # each piece: rows of ``segments`` runs of ``width`` words (a KV cache column:
+            # every head's key, then from ``second`` every head's value)
+            pieces = []
+            for base in (address, second) if second else (address,):
+                span = (ctypes.c_int32 * (last * stride + (segments - 1) * apart + width)
+                        ).from_address(base)
+                words = torch.frombuffer(span, dtype=torch.int32)
+                pieces.append(words.as_strided((last + 1, segments, width),
+                                               (stride, apart, 1))[index].flatten(1))
+            out[c] = hash_rows(torch.cat(pieces, 1))
         EMULATED[0] += time.thread_time() - start
         return out
 

@@ -48,7 +48,20 @@ def test_pointer_table_kernel_on_cuda_equals_the_cpu_reference() -> None:
     on = [t.cuda() if t.is_contiguous() else t.cuda().contiguous()[:, :] for t in parts]
     on[2] = torch.randn(70, 1030).cuda()[:, 6:]
     on[2].copy_(parts[2].cuda())
-    table = torch.tensor([(t.data_ptr(), t.stride(0) * t.element_size() // 4,
-                           t.shape[1] * t.element_size() // 4) for t in on]).t().contiguous()
-    got = hash_table_rows(table.cuda(), index.cuda(), 2560).cpu()
-    assert torch.equal(got, torch.stack([hash_rows(t[index]) for t in parts]))
+    table = [(t.data_ptr(), t.stride(0) * t.element_size() // 4,
+              t.shape[1] * t.element_size() // 4, 1, 0, 0) for t in on]
+    # a KV cache column (8 heads of 128 bf16: 64-word runs, a longer static allocation),
+    # every head's key then every head's value
+    keys = torch.randn(70, 8, 40, 128).to(torch.bfloat16)
+    values = torch.randn(70, 8, 40, 128).to(torch.bfloat16)
+    cache_k = torch.zeros(70, 8, 64, 128, dtype=torch.bfloat16).cuda()[:, :, :40]
+    cache_v = torch.zeros(70, 8, 64, 128, dtype=torch.bfloat16).cuda()[:, :, :40]
+    cache_k.copy_(keys.cuda())
+    cache_v.copy_(values.cuda())
+    at = 39 * cache_k.stride(2) * 2
+    table.append((cache_k.data_ptr() + at, cache_k.stride(0) // 2, 64, 8,
+                  cache_k.stride(1) // 2, cache_v.data_ptr() + at))
+    got = hash_table_rows(torch.tensor(table).t().contiguous().cuda(), index.cuda(), 2560).cpu()
+    kv = torch.cat([keys[index, :, 39].reshape(4, -1), values[index, :, 39].reshape(4, -1)], 1)
+    assert torch.equal(got, torch.stack([*(hash_rows(t[index]) for t in parts),
+                                         hash_rows(kv)]))

@@ -1,6 +1,7 @@
-"""The built-in engine's KV points: where every token row of a step is tapped and the
-device defers, they are hashed in place at step end with the other deferred checkpoints
-(no staging slot); the records are byte for byte those of the gathered path either way."""
+"""The built-in engine's KV points: where every token row of a decode step is tapped and
+the device defers, they are the cache columns hashed in place at step end with the other
+deferred checkpoints (no gather, no staging slot, quick steps unchanged); the records are
+byte for byte those of the gathered path either way."""
 
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ def test_kv_points_deferred_where_every_row_is_tapped_and_records_unchanged(
     assert len(found["hashed_in_place"]) == len(found["deferred"])  # one list per step
     for i in decode:  # step i's deferred names (one hash call per step with any)
         in_place = set(found["hashed_in_place"][i]) & set(kv_points(found["deferred"][i]))
-        if max_rows == 64:  # 3 requests, all tapped: the KV rows are the points' tensors
+        if max_rows == 64:  # 3 requests, all tapped: the cache columns, where they lie
             assert in_place == set(kv_points(found["deferred"][i])), i
+            assert set(found["cache_columns"][i]) == in_place, i
         else:  # 2 of 3 rows tapped: the KV points are gathered into staging slots
-            assert in_place == set(), i
+            assert in_place == set() and found["cache_columns"][i] == [], i
+    assert found["cache_columns"][0] == []  # the prefill's: gathered rows, not columns
+    if max_rows == 64:  # decode steps 1-2 verify, 3 settles: 4-5 quick, KV points and all
+        assert found["quick"] == 2

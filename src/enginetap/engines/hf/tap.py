@@ -14,14 +14,17 @@ The points ride on the sublayer wrapper of their module's class
 right after the module's output, in execution order. The cache rows a step reads are the
 same for every layer: their flat indices are built once per step on the host and sent in
 one copy; each layer then costs two gathers and one concatenation. Where every token row
-is tapped (decode steps of up to ``max_rows`` requests) and the device defers, the
-concatenated rows are the two points' tensors, hashed at step end with the other deferred
-checkpoints; otherwise they are concatenated into staging slots.
+is tapped in a decode step (up to ``max_rows`` requests, one column each) and the device
+defers, no torch op runs per layer: each point is the cache column as it lies, hashed in
+place at step end by the step's one table kernel with the other deferred checkpoints
+(:meth:`~enginetap.tap.record.checkpointer.Checkpointer.keep_cache`; gathered too in
+verification steps). A prefill whose every row is tapped keeps the concatenated rows as
+the points' tensors; otherwise they are concatenated into staging slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ import torch
 from enginetap.core.scope import SCOPE, sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record import TapRecorder, kernels
+from enginetap.tap.record.deferred import cache_layout
 from enginetap.tap.record.points import sublayer_wrapper
 
 __all__ = ["CachePoints", "tap_points"]
@@ -115,20 +119,20 @@ class CachePoints:
                 or keys.dim() != 4 or values.shape != keys.shape \
                 or keys.shape[0] != hidden.shape[0]:
             return
-        batch, heads, length, dim = keys.shape
-        columns, device = hidden.shape[1], keys.device
+        columns = hidden.shape[1]
         rows = len(recorder.token_index)
         whole = rows == recorder.padded and self._defers(keys)
-        tokens = range(rows) if whole else recorder.token_index
-        index = self._cached(("kv", whole, heads, length, columns, device),
-                             lambda: _kv_rows(tokens, heads, length, columns), device)
-        k = keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
-        v = values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim)
+        if whole and columns == 1 and cache_layout(keys, values):
+            self._kv_in_place(points, keys, values, rows)
+            return
+        k, v = self._gather(keys, values, range(rows) if whole else recorder.token_index,
+                            columns, whole)
         if whole:
-            # Every token row is tapped (a decode step of up to max_rows requests): the
-            # gathered rows, in token order, are the points' tensors, kept and hashed at
-            # step end with the step's other deferred checkpoints (no staging slot); a
-            # quick step lists them in order, as the sublayer wrappers do.
+            # Every token row is tapped, not as cache columns (a prefill's rows, a cache
+            # of another layout): the gathered rows, in token order, are the points'
+            # tensors, kept and hashed at step end with the step's other deferred
+            # checkpoints (no staging slot); a quick step lists them in order, as the
+            # sublayer wrappers do.
             both, quick = torch.cat([k, v], 2), recorder.quick
             for i, point in enumerate(points.kv):
                 if quick is not None and point not in recorder.at_call:
@@ -136,11 +140,40 @@ class CachePoints:
                 else:
                     recorder.take(point, both[i])
             return
-        width, dtype = 2 * heads * dim, keys.dtype
+        width, dtype = 2 * keys.shape[1] * keys.shape[3], keys.dtype
         for i, point in enumerate(points.kv):
-            slot = recorder.row_slot(point, dtype, width, device)
+            slot = recorder.row_slot(point, dtype, width, keys.device)
             if slot is not None:
                 torch.cat([k[i], v[i]], 1, out=slot)
+
+    def _kv_in_place(self, points: _Points, keys: torch.Tensor, values: torch.Tensor,
+                     rows: int) -> None:
+        """A decode step whose every token row is tapped (row ``i`` is batch row ``i``)
+        on a deferring device: each point is the cache pair's column kept as it lies, to
+        hash in place at step end (no torch call); the rows are gathered into a staging
+        slot only where the checkpointer asks (verification, a demoted name, the byte
+        budget spent)."""
+        recorder = self.recorder
+        length = keys.shape[2]
+        # written: the last column; previous: the one before it
+        fill = recorder.checkpointer.keep_cache(recorder.ledger, points.kv, keys, values,
+                                                (length - 1, max(length - 2, 0)))
+        if fill:
+            k, v = self._gather(keys, values, range(rows), 1, True)
+            for i, slot in fill:
+                torch.cat([k[i], v[i]], 1, out=slot)
+
+    def _gather(self, keys: torch.Tensor, values: torch.Tensor, tokens: Sequence[int],
+                columns: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value heads of the rows ``tokens`` at their written and previous
+        columns: ``[2, rows, heads * dim]`` each, one gather each (the flat row indices
+        built once per step)."""
+        _, heads, length, dim = keys.shape
+        device, rows = keys.device, len(tokens)
+        index = self._cached(("kv", whole, heads, length, columns, device),
+                             lambda: _kv_rows(tokens, heads, length, columns), device)
+        return (keys.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim),
+                values.reshape(-1, dim).index_select(0, index).view(2, rows, heads * dim))
 
     def _states(self, points: _Points, hidden: Any, kwargs: dict, before: bool) -> None:
         recorder = self.recorder

@@ -153,6 +153,44 @@ class Checkpointer:
                     return
         self._stage_named(ledger, unique, source, check, deferred)
 
+    def keep_cache(self, ledger: StepLedger, names: tuple[str, ...], keys: torch.Tensor,
+                   values: torch.Tensor, columns: tuple[int, ...]
+                   ) -> list[tuple[int, torch.Tensor]]:
+        """Checkpoints ``names``: each its column (``columns``) of batch rows ``0..k-1`` of
+        a ``[batch, heads, length, dim]`` key and value cache pair, where the step's ``k``
+        tapped rows are its ``k`` token rows, one per batch row (a decode step; the layout
+        checked with :func:`~enginetap.tap.record.deferred.cache_layout`), kept to hash in
+        place at step end (:meth:`.DeferredHashes.keep_cache`): no torch call. Returns,
+        for the names not only so kept, their place in ``names`` and a ``[k, 2 * heads *
+        dim]`` staging slot for the caller to fill with the gathered rows (every head's
+        key, then every head's value): in a verification step, where the two hashes are
+        compared, or where the name was demoted or the byte budget is spent. Nothing
+        where the points are refused (see :meth:`allowed`). Taken at the call even in a
+        quick step (markers in its list, see :meth:`.StepLedger.record`)."""
+        if not (self.forced or not (_compiling() or (self.cuda and _capturing()))):
+            for name in names:
+                self._refuse(name)
+            return []
+        device = keys.device
+        deferred = self.fast.get(keys.get_device())
+        if deferred is None and self.defer and device not in self.deferred:
+            deferred = self._deferred_for(keys)
+        uniques = [ledger.unique(name) for name in names]
+        slots = [-1] * len(names) if deferred is None else \
+            deferred.keep_cache(uniques, keys, values, columns, len(ledger.rows))
+        fill: list[tuple[int, torch.Tensor]] = []
+        for i, (unique, slot) in enumerate(zip(uniques, slots)):
+            if slot >= 0 and deferred is not None and not deferred.needs_check(unique):
+                ledger.record(device, unique, -1 - slot)
+                continue
+            staging = self.staging.get(device) or self.staging_for(ledger, device)
+            fill.append((i, staging.slot(keys.dtype, 2 * keys.shape[1] * keys.shape[3])))
+            staged = len(staging.order) - 1
+            if slot >= 0 and deferred is not None:
+                deferred.checks.append((unique, staged, slot))
+            ledger.record(device, unique, staged)
+        return fill
+
     def _stage_named(self, ledger: StepLedger, unique: str, source: torch.Tensor,
                      check: int, deferred: DeferredHashes | None) -> None:
         """Gather ``source``'s tapped rows under ``unique``; with ``check`` >= 0 the same

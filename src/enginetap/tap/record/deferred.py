@@ -33,11 +33,20 @@ rules that out at the gather path's cost.
 
 Deferral needs Triton on the tensor's device (CUDA; Triton's interpreter on a CPU in the
 tests) and rows of 32-bit words at a 4-byte aligned address; anything else is staged.
+
+A checkpoint's row may also be read in pieces: a KV cache column (:meth:`DeferredHashes.
+keep_cache`, the built-in engine's decode steps) is every head's key then every head's
+value, read from the cache tensors where they lie, with no gather or concatenation per
+layer. The cache tensors are referenced until step end like any kept tensor and verified
+like one (a write into the cache after the layer and before step end is caught in
+verification steps; in others it is in the bytes hashed); the byte budget counts the
+bytes hashed, not the caches' size.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from array import array
 from dataclasses import dataclass, field
 
@@ -45,7 +54,21 @@ import torch
 
 logger = logging.getLogger("enginetap.tap")
 
-__all__ = ["DeferredHashes"]
+__all__ = ["DeferredHashes", "cache_layout"]
+
+
+def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether a ``[batch, heads, length, dim]`` key and value cache pair can be kept as
+    it is (:meth:`DeferredHashes.keep_cache`): the same shape, dtype and strides, each
+    head's ``dim`` contiguous, every stride and ``dim`` whole 32-bit words, 4-byte
+    aligned."""
+    stride = keys.stride()
+    if len(stride) != 4 or stride[3] != 1 or values.stride() != stride \
+            or values.shape != keys.shape or values.dtype != keys.dtype:
+        return False
+    # x * size is a multiple of 4 for each x exactly when it is for their bitwise or
+    return not ((stride[0] | stride[1] | stride[2] | keys.shape[3]) * keys.element_size() % 4
+                or (keys.data_ptr() | values.data_ptr()) % 4)
 
 
 @dataclass
@@ -72,8 +95,15 @@ class DeferredHashes:
     strides: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)
     """Per kept tensor: address, row stride and row width in 32-bit words (the hash
-    kernel's table, taken when the tensor is kept; three flat lists: one buffer copy
-    makes the table)."""
+    kernel's table, taken when the tensor is kept; flat lists: one buffer copy makes the
+    table). A KV cache column (:meth:`keep_cache`) has the width of one head here."""
+    pieces: dict[int, tuple[int, int, int, torch.Tensor, int | None]] = field(
+        default_factory=dict)
+    """Slots kept as a KV cache column (:meth:`keep_cache`): their heads, the heads'
+    stride in words, the values' address, the values tensor and its version counter (the
+    keys are the slot's tensor). Other slots are one segment with no second piece."""
+    counted_values: bool = False
+    """Some cache column's values track a version counter (see :meth:`moved`)."""
     checks: list[tuple[str, int, int]] = field(default_factory=list)
     """(name, staged slot, deferred slot) of the checkpoints verified this step."""
     held: int = 0
@@ -92,7 +122,8 @@ class DeferredHashes:
     def reset(self, mode: str = "", step: int = 1) -> None:
         """Start step number ``step`` of kind ``mode``."""
         self.tensors, self.versions, self.names, self.checks = [], [], [], []
-        self.addresses, self.strides, self.widths = [], [], []
+        self.addresses, self.strides, self.widths, self.pieces = [], [], [], {}
+        self.counted_values = False
         self.mode = mode
         self.full = self.verify_every > 0 and step % self.verify_every <= self.lag
         self.held = self.hashed_bytes = 0
@@ -165,6 +196,47 @@ class DeferredHashes:
         self.names += names
         return first
 
+    def keep_cache(self, names: list[str], keys: torch.Tensor, values: torch.Tensor,
+                   columns: tuple[int, ...], rows: int) -> list[int]:
+        """Keep, under each of ``names``, its column (``columns``) of batch rows
+        ``0..rows-1`` of a ``[batch, heads, length, dim]`` key and value cache pair (the same
+        layout, checked by the caller with :func:`cache_layout`) to hash in place at step
+        end, with no copy: row ``i``'s words are every head's key at that column, then
+        every head's value, as the gathered ``[k heads..., v heads...]`` row. Each name's
+        slot, or -1 where it must be gathered instead (demoted, or over the byte budget:
+        the bytes hashed count, the caches live on). One call for a layer's points: what
+        they share is read once."""
+        _, heads, _, dim = keys.shape
+        size = keys.element_size()
+        nbytes = rows * 2 * heads * dim * size
+        stride = keys.stride()
+        at, kept, vkept = stride[2] * size, keys.data_ptr(), values.data_ptr()
+        row, width, apart = stride[0] * size // 4, dim * size // 4, stride[1] * size // 4
+        version = None if keys.is_inference() else keys._version
+        vversion = None if values.is_inference() else values._version
+        if vversion is not None:
+            self.counted_values = True
+        slots = []
+        for name, column in zip(names, columns):
+            if name in self.demoted or self.held + nbytes > self.budget:
+                self.spent = name not in self.demoted
+                slots.append(-1)
+                continue
+            self.spent = False
+            self.held += nbytes
+            slot = len(self.tensors)
+            self.addresses.append(kept + column * at)
+            self.strides.append(row)
+            self.widths.append(width)
+            self.tensors.append(keys)
+            self.versions.append(version)
+            self.names.append(name)
+            if version is not None:
+                self.seen_version[name] = version
+            self.pieces[slot] = (heads, apart, vkept + column * at, values, vversion)
+            slots.append(slot)
+        return slots
+
     def _append(self, name: str, tensor: torch.Tensor, address: int, stride: int,
                 width: int) -> int:
         self.addresses.append(address)
@@ -180,8 +252,14 @@ class DeferredHashes:
 
     def moved(self) -> list[int]:
         """Slots whose tensor was modified in place since its checkpoint (demoted)."""
-        moved = [i for i, (t, v) in enumerate(zip(self.tensors, self.versions))
+        versions = self.versions
+        if versions.count(None) == len(versions) and not self.counted_values:
+            return []  # inference tensors (the engines' forwards): no counter to compare
+        moved = [i for i, (t, v) in enumerate(zip(self.tensors, versions))
                  if v is not None and t._version != v]
+        if self.counted_values:  # a cache column's values: their own version counter
+            moved = sorted({*moved, *(i for i, (_, _, _, values, v) in self.pieces.items()
+                                      if v is not None and values._version != v)})
         for i in moved:
             self.demote_moved(self.names[i])
         return moved
@@ -192,6 +270,21 @@ class DeferredHashes:
         self._demote(name, "modified in place after its checkpoint, before the step ended "
                            "(its version counter moved)")
 
+    def arrange(self, order: list[int]) -> None:
+        """Put the kept tensors in ``order`` (a permutation of their slots): slot ``i``
+        becomes the one that was ``order[i]``, so that :meth:`hashes` returns them in that
+        order. No-op where ``order`` is already theirs (the usual case)."""
+        if len(order) < 2 or order == list(range(len(order))):
+            return
+        pick = operator.itemgetter(*order)
+        self.tensors, self.versions, self.names = (
+            list(pick(self.tensors)), list(pick(self.versions)), list(pick(self.names)))
+        self.addresses, self.strides, self.widths = (
+            list(pick(self.addresses)), list(pick(self.strides)), list(pick(self.widths)))
+        if self.pieces:
+            position = dict(zip(order, range(len(order))))
+            self.pieces = {position[slot]: piece for slot, piece in self.pieces.items()}
+
     def hashes(self, index: torch.Tensor) -> torch.Tensor:
         """``[deferred, rows]`` int64 hashes of rows ``index`` of every kept tensor, one
         launch; the references are dropped (the kernel is queued after the step's work on
@@ -200,13 +293,21 @@ class DeferredHashes:
 
         if not self.tensors:
             return torch.zeros((0, index.numel()), dtype=torch.int64, device=self.device)
-        widths = self.widths
-        widest = max(1, max(widths))
-        self.hashed_bytes += sum(widths) * 4 * index.numel()
-        table = torch.frombuffer(array("q", self.addresses + self.strides + widths),
-                                 dtype=torch.int64).view(3, len(widths))
+        widths, n = self.widths, len(self.widths)
+        words = sum(widths)
+        segments, segment_strides, seconds = [1] * n, [0] * n, [0] * n
+        for slot, (heads, apart, second, _, _) in self.pieces.items():
+            segments[slot], segment_strides[slot], seconds[slot] = heads, apart, second
+            words += (2 * heads - 1) * widths[slot]
+        widest = max(1, max(w * c for w, c in zip(widths, segments)) if self.pieces
+                     else max(widths))
+        self.hashed_bytes += words * 4 * index.numel()
+        table = torch.frombuffer(array("q", self.addresses + self.strides + widths + segments
+                                       + segment_strides + seconds),
+                                 dtype=torch.int64).view(6, n)
         out = kernels.hash_table_rows(table.to(self.device, non_blocking=True), index, widest)
         self.tensors, self.addresses, self.strides, self.widths = [], [], [], []
+        self.pieces = {}
         return out
 
     def compare_flags(self, equal: torch.Tensor, names: list[str] | None = None) -> None:

@@ -10,9 +10,10 @@ whole-tensor fingerprint run near the device's read bandwidth.
   (the step's staged checkpoint rows, see :class:`~enginetap.tap.record.fingerprint.StepStaging`);
 - :func:`fingerprint_tensor`: one hash of a whole tensor's bytes in two launches (per-chunk
   partial sums with global word positions, then their sum): state and KV continuity;
-- :func:`hash_table_rows`: chosen rows of many tensors, read in place through a table of
+- :func:`hash_table_rows`: chosen rows of many tensors read in place through a table of
   base pointers, in one launch (the deferred checkpoints of a step, see
-  :mod:`enginetap.tap.record.deferred`).
+  :mod:`enginetap.tap.record.deferred`); a row may be pieces of several strided runs (a
+  KV cache column: every head's key, then every head's value).
 
 Both need Triton and a device it runs on (CUDA; on a CPU, Triton's interpreter, which the
 tests use through ``TRITON_INTERPRET=1``). :func:`available` says whether they apply to a
@@ -66,21 +67,49 @@ if triton is not None:
         tl.store(out + row, tl.sum(acc, axis=0))
 
     @triton.jit
-    def _hash_table(table, index, out, n_rows, max_width, golden, BLOCK: tl.constexpr):
-        # table: [3, n] int64 = base address, row stride in words, row width in words
+    def _hash_piece(src, width, segments, segment_stride, offset, max_words, golden,
+                    BLOCK: tl.constexpr):
+        # The ``segments * width`` words of one piece of a row (``segments`` runs of
+        # ``width`` words, ``segment_stride`` words apart from ``src``), weighted as words
+        # ``offset``, ``offset + 1``... of the row; their weighted sum.
+        total = width * segments
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        if segments == 1:
+            for start in range(0, max_words, BLOCK):  # a kernel argument, not a loaded value
+                j = start + tl.arange(0, BLOCK).to(tl.int64)
+                x = tl.load(src + j, mask=j < total, other=0).to(tl.int64)
+                acc += x * (((offset + j + 1) * golden) | 1)
+        else:
+            runs = width.to(tl.int32)
+            for start in range(0, max_words, BLOCK):
+                j = start + tl.arange(0, BLOCK)
+                run = j // runs
+                at = run.to(tl.int64) * segment_stride + (j - run * runs).to(tl.int64)
+                x = tl.load(src + at, mask=j < total, other=0).to(tl.int64)
+                acc += x * (((offset + j.to(tl.int64) + 1) * golden) | 1)
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
+    def _hash_table(table, index, out, n_rows, max_words, golden, BLOCK: tl.constexpr):
+        # table: [6, n] int64 = base address, row stride, segment width, segment count,
+        # segment stride (all in 32-bit words but the address), second piece's address
+        # (0: none; the same layout, its words after the first's in the row)
         c = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1).to(tl.int64)
         n = tl.num_programs(0).to(tl.int64)
         base = tl.load(table + c).to(tl.pointer_type(tl.int32))
         stride = tl.load(table + n + c)
         width = tl.load(table + 2 * n + c)
-        src = base + tl.load(index + r) * stride
-        acc = tl.zeros([BLOCK], dtype=tl.int64)
-        for start in range(0, max_width, BLOCK):  # a kernel argument, not a loaded value
-            offs = start + tl.arange(0, BLOCK).to(tl.int64)
-            x = tl.load(src + offs, mask=offs < width, other=0).to(tl.int64)
-            acc += x * (((offs + 1) * golden) | 1)
-        tl.store(out + c * n_rows + r, tl.sum(acc, axis=0))
+        segments = tl.load(table + 3 * n + c)
+        segment_stride = tl.load(table + 4 * n + c)
+        second = tl.load(table + 5 * n + c)
+        row = tl.load(index + r) * stride
+        found = _hash_piece(base + row, width, segments, segment_stride, 0, max_words,
+                            golden, BLOCK)
+        if second != 0:
+            found += _hash_piece(second.to(tl.pointer_type(tl.int32)) + row, width, segments,
+                                 segment_stride, width * segments, max_words, golden, BLOCK)
+        tl.store(out + c * n_rows + r, found)
 
 
 def _words(flat: torch.Tensor) -> torch.Tensor:
@@ -122,10 +151,18 @@ def fingerprint_tensor(tensor: torch.Tensor) -> int:
 
 def hash_table_rows(table: torch.Tensor, index: torch.Tensor, max_words: int) -> torch.Tensor:
     """Rows ``index`` of every tensor listed in ``table`` hashed in place: ``[n, rows]``
-    int64, row ``r`` of tensor ``c`` equal to :func:`~enginetap.tap.record.fingerprint.hash_rows`
-    of ``tensor_c[index[r]]``. ``table`` is ``[3, n]`` int64 on the device: each tensor's
-    base address (4-byte aligned), row stride and row width, both in 32-bit words;
-    ``max_words`` bounds the widths (it picks the block size). One launch."""
+    int64, row ``r`` of entry ``c`` equal to :func:`~enginetap.tap.record.fingerprint.hash_rows`
+    of the entry's row ``index[r]`` as one row of words. ``table`` is ``[6, n]`` int64 on
+    the device, per entry: the base address (4-byte aligned), the row stride, the segment
+    width, the segment count and the segment stride (in 32-bit words), and a second
+    piece's base address (0: none). Row ``i`` of an entry is its ``segments`` runs of
+    ``width`` words (``segment stride`` apart) from ``base + i * row stride``, then, where
+    it has a second piece, the same runs from ``second + i * row stride``: an ordinary
+    tensor's row is one segment, a KV cache column's row every head's key then every
+    head's value (the hash is linear in the words' positions, so each piece is summed with
+    its words' offset in the row, in place). ``max_words`` bounds each piece's words (it
+    picks the block size and the loop's bound). One launch; no atomics (each program
+    sums its row's pieces in order)."""
     n, rows = table.shape[1], index.numel()
     out = torch.empty((n, rows), dtype=torch.int64, device=index.device)
     if n and rows:

@@ -163,7 +163,6 @@ def _device_hashes(ledger: StepLedger, checkpointer: Checkpointer, device: torch
     if deferred is None or not deferred.names:
         return staged, [name for name, _ in entries], no_checks
     moved = set(deferred.moved())
-    later = deferred.hashes(ledger.device_list("rows", device))
     order, names = [], []
     for name, slot in entries:
         if slot < 0 and -1 - slot in moved:
@@ -171,11 +170,15 @@ def _device_hashes(ledger: StepLedger, checkpointer: Checkpointer, device: torch
             continue
         order.append(slot if slot >= 0 else staged.shape[0] - 1 - slot)
         names.append(name)
-    if not staged.shape[0] and len(order) == later.shape[0]:
-        merged = later  # all deferred, none dropped: already in checkpoint order
-    else:
-        merged = torch.cat([staged, later]).index_select(
-            0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
+    if not staged.shape[0] and len(order) == len(deferred.names):
+        # all deferred, none dropped: hashed in checkpoint order (a quick step's cache
+        # columns, kept at their call, precede in slot order the checkpoints it kept
+        # after the forward; the table is put in order, the hashes need no gather)
+        deferred.arrange(order)
+        return deferred.hashes(ledger.device_list("rows", device)), names, no_checks
+    later = deferred.hashes(ledger.device_list("rows", device))
+    merged = torch.cat([staged, later]).index_select(
+        0, torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True))
     checks = no_checks
     if deferred.checks:
         pairs = torch.tensor([(s, d) for _, s, d in deferred.checks], dtype=torch.int64)
