@@ -29,13 +29,33 @@ try:  # a tenth of json's encoding time: records are written on the engine's hos
 except ImportError:  # pragma: no cover - a dependency; json writes the same lines
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["NonFinite", "RankJsonl", "close_all", "encode_line", "encode_line_bytes"]
+__all__ = ["Encoded", "NonFinite", "RankJsonl", "close_all", "encode_line", "encode_line_bytes"]
 
 
 class NonFinite(dict):  # type: ignore[type-arg]
     """A record that holds NaN or infinite floats: a ``fast`` writer encodes it with json,
     which keeps them (orjson would write ``null``). Its maker, who knows where floats
     are, returns this type only when it has to."""
+
+
+class Encoded:
+    """A value already encoded as compact JSON (UTF-8 ``data``), written into a record's
+    line as it is: a record's largest part (the tap's hashes) built in one numpy pass
+    rather than as Python strings for the encoder to copy again. The lines are those of
+    the decoded value, with json as with orjson."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _fast_default(value: Any) -> Any:
+    return orjson.Fragment(value.data) if isinstance(value, Encoded) else str(value)
+
+
+def _default(value: Any) -> Any:
+    return json.loads(value.data) if isinstance(value, Encoded) else str(value)
 
 
 def encode_line(record: dict[str, Any], fast: bool = False) -> str:
@@ -53,11 +73,11 @@ def encode_line_bytes(record: dict[str, Any], fast: bool = False) -> bytes:
     """:func:`encode_line` as UTF-8 bytes (what the writer hands the OS)."""
     if fast and orjson is not None:
         try:
-            return orjson.dumps(record, default=str, option=orjson.OPT_NON_STR_KEYS
+            return orjson.dumps(record, default=_fast_default, option=orjson.OPT_NON_STR_KEYS
                                 | orjson.OPT_APPEND_NEWLINE)
         except TypeError:  # e.g. an int beyond 64 bits: json writes it
             pass
-    return (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+    return (json.dumps(record, separators=(",", ":"), default=_default) + "\n").encode()
 
 
 _OPEN: dict[Path, int] = {}

@@ -4,17 +4,17 @@ where a GPU runs the model, :mod:`enginetap.core.sink`); the header once per fil
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import platform
-import struct
 from typing import Any
 
+import numpy as np
 import torch
 
 from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step
-from enginetap.core.jsonl import NonFinite
+from enginetap.core.jsonl import Encoded, NonFinite
 from enginetap.core.sink import RecordSink
 from enginetap.core.tensors import capturing
 from enginetap.tap.options import TapOptions
@@ -213,26 +213,67 @@ def header(context: ArmContext, options: TapOptions, models: list[dict[str, Any]
 
 def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],
             k: int) -> dict[str, Any]:
-    hashes: dict[str, str] = {}
-    sampler: list[list[int]] = []
-    width = 16 * k
+    """The step's record from ``head`` and the hashes and sampler values on the host:
+    per device, its names and one flat int64 tensor (hashes ``[names, k]``, then 4
+    sampler words per row where ``extra``)."""
+    tables: list[np.ndarray] = []
+    listed: list[str] = []
+    sampler: list[dict[str, Any]] = []
+    finite = True
     for names, flat, extra in host:
-        digits = flat[:len(names) * k].numpy().astype(">u8").tobytes().hex()
-        for j, name in enumerate(names):
-            hashes[name] = digits[j * width:(j + 1) * width]
+        words = flat.numpy()
+        tables.append(words[:len(names) * k].reshape(len(names), k))
+        listed += names
         if extra:
-            tail = flat[len(names) * k:].tolist()
-            sampler = [tail[r * 4:r * 4 + 4] for r in range(k)]
-    rows = [_sampler_row(s) for s in sampler]
-    record = step_record(**head, hashes=[hashes[n] for n in head["checkpoints"]], sampler=rows)
+            sampler, finite = _sampler_rows(words[len(names) * k:(len(names) + 4) * k]
+                                             .reshape(k, 4))
+    order = head["checkpoints"]
+    table = tables[0] if len(tables) == 1 else np.concatenate(tables) if tables else \
+        np.zeros((0, k), dtype=np.int64)
+    if listed != order:  # several devices, or a compiled tap's names first
+        at = {name: i for i, name in enumerate(listed)}
+        table = table[[at[name] for name in order]]
+    record = step_record(**head, hashes=Encoded(_hex_list(table)), sampler=sampler)
     # The sampler's logits are the record's only floats; a masked vocabulary (constrained
     # decoding) makes them infinite, which only json writes as they are.
-    if all(math.isfinite(r["top1"]) and math.isfinite(r["top2"]) for r in rows):
-        return record
-    return NonFinite(record)
+    return record if finite else NonFinite(record)
 
 
-def _sampler_row(packed: list[int]) -> dict[str, Any]:
-    top1, top2 = (struct.unpack("<d", struct.pack("<q", v))[0] for v in packed[2:4])
-    return {"argmax": packed[0], "runner_up": packed[1], "top1": top1, "top2": top2,
-            "gap": top1 - top2}
+@functools.cache
+def _hex_digits() -> np.ndarray:
+    """Per 16-bit value (big-endian: the digits' order), its 4 lowercase hex digits as
+    one uint32 of their ASCII bytes (256 KiB, made once)."""
+    nibbles = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+    value = np.arange(1 << 16, dtype=np.uint32)
+    digits = np.stack([nibbles[(value >> shift) & 15] for shift in (12, 8, 4, 0)], axis=1)
+    return np.ascontiguousarray(digits).view(np.uint32).reshape(-1)
+
+
+def _hex_list(table: np.ndarray) -> bytes:
+    """``table`` (int64 ``[checkpoints, rows]``) as the record's ``hashes``, encoded: a
+    JSON list of one string per checkpoint, 16 hex digits per row (the row's 64 bits,
+    big-endian), built in a few numpy passes (no Python string per checkpoint)."""
+    n, k = table.shape
+    if not n:
+        return b"[]"
+    width = 16 * k
+    digits = _hex_digits().take(np.ascontiguousarray(table).astype(">u8").view(">u2"))
+    line = np.empty(1 + n * (width + 3), dtype=np.uint8)
+    line[0] = ord("[")
+    body = line[1:].reshape(n, width + 3)
+    body[:, 0] = body[:, width + 1] = ord('"')
+    body[:, width + 2] = ord(",")
+    body[:, 1:width + 1] = digits.view(np.uint8).reshape(n, width)
+    body[-1, -1] = ord("]")
+    return line.tobytes()
+
+
+def _sampler_rows(packed: np.ndarray) -> tuple[list[dict[str, Any]], bool]:
+    """Per row, its sampler record from its 4 words (argmax, runner-up, and the top two
+    logits' float64 bits); whether every logit is finite."""
+    logits = packed[:, 2:4].view(np.float64)
+    rows = [{"argmax": argmax, "runner_up": runner_up, "top1": top1, "top2": top2,
+             "gap": top1 - top2}
+            for argmax, runner_up, (top1, top2) in zip(packed[:, 0].tolist(),
+                                                      packed[:, 1].tolist(), logits.tolist())]
+    return rows, bool(np.isfinite(logits).all())
