@@ -127,4 +127,4 @@ class StepLedger:
     @property
     def deferred_count(self) -> int:
         """Checkpoints of the step hashed in place at step end."""
-        return sum(1 for slot in self.slots if slot < 0)
+        return sum(map((0).__gt__, self.slots))  # slot < 0, in C

@@ -78,21 +78,16 @@ class PrefixTracker:
         return out
 
 
-def _column(values: list[int] | None, i: int) -> int | None:
-    return None if values is None else values[i]
-
-
 def fill_late_lengths(records: list[dict[str, Any]], step: Step) -> None:
     """Valid lengths an engine fills only when the step's forward is done (the built-in
     engine on a GPU: reading them earlier would stop the host for the device), copied
     into records picked before that."""
     rows = step.rows
-    for record in records:
-        i = record["row"]
-        if record["query_len"] is None:
-            record["query_len"] = _column(rows.query_lens, i)
-        if record["seq_len"] is None:
-            record["seq_len"] = _column(rows.seq_lens, i)
+    for name, column in (("query_len", rows.query_lens), ("seq_len", rows.seq_lens)):
+        if column is not None:
+            for record in records:
+                if record[name] is None:
+                    record[name] = column[record["row"]]
 
 
 def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> list[dict[str, Any]]:
