@@ -44,7 +44,7 @@ class TapRecorder(RecorderCalls):
         self.context = context
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank,
-                                fast=True)  # see transfer._format
+                                fast=True, offload=True)  # see transfer._format
         self.sink = RecordSink(self.writer, deferred=torch.cuda.is_available(),
                                name="enginetap-tap-sink")
         self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)

@@ -4,8 +4,9 @@ where a GPU runs the model, :mod:`enginetap.core.sink`); the header once per fil
 
 from __future__ import annotations
 
-import functools
 import logging
+import math
+import operator
 import platform
 from typing import Any
 
@@ -33,6 +34,10 @@ Launched = tuple[torch.device, list[str], torch.Tensor, torch.Tensor, list[torch
 in one tensor, and the sampler values in it."""
 
 
+_DEVICE = operator.itemgetter(0)
+_NAME = operator.itemgetter(1)
+
+
 class Transfer:
     """The recorder's step end: hashes to the host, records to the ``sink`` (``vectors``:
     the raw rows dumped beside, where asked for)."""
@@ -54,8 +59,12 @@ class Transfer:
         (one transfer per device, one device in practice); returns the function that
         formats the record from it."""
         by_device: dict[torch.device, list[tuple[str, int]]] = {}
-        for (device, name), slot in zip(ledger.names, ledger.slots):
-            by_device.setdefault(device, []).append((name, slot))
+        devices = set(map(_DEVICE, ledger.names))
+        if len(devices) == 1:  # in practice: one list, made in C
+            by_device[devices.pop()] = list(zip(map(_NAME, ledger.names), ledger.slots))
+        else:
+            for (device, name), slot in zip(ledger.names, ledger.slots):
+                by_device.setdefault(device, []).append((name, slot))
         host: list[tuple[list[str], torch.Tensor, int]] = []
         dropped: list[str] = []
         k = len(ledger.rows)
@@ -67,7 +76,8 @@ class Transfer:
             launched.append((device, names, checks,
                              torch.cat([hashes.flatten(), checks, *extra]), extra))
         gone = set(dropped)
-        order = [name for _, name in ledger.names if name not in gone]
+        order = [name for _, name in ledger.names if name not in gone] if gone else \
+            list(map(_NAME, ledger.names))
         if compiled is not None:  # hashed in the graph: one read of its buffer
             names, hashes = compiled.collect(k)
             order = names + order
@@ -225,8 +235,8 @@ def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]
         tables.append(words[:len(names) * k].reshape(len(names), k))
         listed += names
         if extra:
-            sampler, finite = _sampler_rows(words[len(names) * k:(len(names) + 4) * k]
-                                             .reshape(k, 4))
+            tail = words[len(names) * k:(len(names) + 4) * k]
+            sampler, finite = _sampler_rows(memoryview(np.ascontiguousarray(tail)).cast("B"), k)
     order = head["checkpoints"]
     table = tables[0] if len(tables) == 1 else np.concatenate(tables) if tables else \
         np.zeros((0, k), dtype=np.int64)
@@ -239,25 +249,21 @@ def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]
     return record if finite else NonFinite(record)
 
 
-@functools.cache
-def _hex_digits() -> np.ndarray:
-    """Per 16-bit value (big-endian: the digits' order), its 4 lowercase hex digits as
-    one uint32 of their ASCII bytes (256 KiB, made once)."""
-    nibbles = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-    value = np.arange(1 << 16, dtype=np.uint32)
-    digits = np.stack([nibbles[(value >> shift) & 15] for shift in (12, 8, 4, 0)], axis=1)
-    return np.ascontiguousarray(digits).view(np.uint32).reshape(-1)
+_HEX = np.frombuffer("".join(f"{i:02x}" for i in range(256)).encode(), dtype=np.uint16)
+"""Per byte value, its two lowercase hex digits (ASCII) as one uint16 (512 bytes: in the
+first-level cache after one use)."""
 
 
 def _hex_list(table: np.ndarray) -> bytes:
     """``table`` (int64 ``[checkpoints, rows]``) as the record's ``hashes``, encoded: a
     JSON list of one string per checkpoint, 16 hex digits per row (the row's 64 bits,
-    big-endian), built in a few numpy passes (no Python string per checkpoint)."""
+    big-endian), built in a few numpy passes over the whole table (no Python string
+    per checkpoint)."""
     n, k = table.shape
     if not n:
         return b"[]"
     width = 16 * k
-    digits = _hex_digits().take(np.ascontiguousarray(table).astype(">u8").view(">u2"))
+    digits = _HEX.take(np.ascontiguousarray(table, dtype=">u8").view(np.uint8))
     line = np.empty(1 + n * (width + 3), dtype=np.uint8)
     line[0] = ord("[")
     body = line[1:].reshape(n, width + 3)
@@ -268,12 +274,12 @@ def _hex_list(table: np.ndarray) -> bytes:
     return line.tobytes()
 
 
-def _sampler_rows(packed: np.ndarray) -> tuple[list[dict[str, Any]], bool]:
-    """Per row, its sampler record from its 4 words (argmax, runner-up, and the top two
-    logits' float64 bits); whether every logit is finite."""
-    logits = packed[:, 2:4].view(np.float64)
-    rows = [{"argmax": argmax, "runner_up": runner_up, "top1": top1, "top2": top2,
-             "gap": top1 - top2}
-            for argmax, runner_up, (top1, top2) in zip(packed[:, 0].tolist(),
-                                                      packed[:, 1].tolist(), logits.tolist())]
-    return rows, bool(np.isfinite(logits).all())
+def _sampler_rows(packed: memoryview, k: int) -> tuple[list[dict[str, Any]], bool]:
+    """Per row, its sampler record from its 4 words in ``packed`` (bytes: argmax,
+    runner-up, and the top two logits' float64 bits, native order); whether every logit
+    is finite."""
+    ints, floats = packed.cast("q").tolist(), packed.cast("d").tolist()
+    rows = [{"argmax": ints[i], "runner_up": ints[i + 1], "top1": floats[i + 2],
+             "top2": floats[i + 3], "gap": floats[i + 2] - floats[i + 3]}
+            for i in range(0, 4 * k, 4)]
+    return rows, all(map(math.isfinite, floats[2::4] + floats[3::4]))
