@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
-from enginetap.core import context
+import pytest
+
+from enginetap.core import context, jsonl
 from enginetap.core.context import Step, StepRows, publish
 from enginetap.core.jsonl import RankJsonl, close_all
 from enginetap.core.ranks import merge_rank_files
@@ -57,12 +62,6 @@ def test_fast_lines_equal_json_lines_and_fall_back_where_orjson_cannot():
 
 
 def test_an_offloading_writer_writes_every_line_in_order_by_flush_close_and_exit(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from enginetap.core import jsonl
-
     base = tmp_path / "tap.jsonl"
     writer = RankJsonl(base, 0, fast=True, offload=True)
     plain = RankJsonl(base, 0)  # another writer of the file: its lines queue behind
@@ -85,12 +84,6 @@ def test_an_offloading_writer_writes_every_line_in_order_by_flush_close_and_exit
 
 
 def test_an_offloading_writer_raises_the_write_error_at_its_next_call(tmp_path):
-    import os
-
-    import pytest
-
-    from enginetap.core import jsonl
-
     writer = RankJsonl(tmp_path / "full.jsonl", 0, offload=True)
     jsonl._OPEN[writer.path] = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
     try:

@@ -46,7 +46,7 @@ class NonFinite(dict):  # type: ignore[type-arg]
 
 class Encoded:
     """A value already encoded as compact JSON (``data``), written into a record's
-    line as it is: a record's largest part (the tap's hashes) built in one numpy pass
+    line as it is: a record's largest part (the tap's hashes) built in a few numpy passes
     rather than as Python strings for the encoder to copy again. The lines are those of
     the decoded value, with json as with orjson."""
 
@@ -169,10 +169,12 @@ class RankJsonl:
         """Hand lines to the file's appender thread (see the module docstring)."""
 
     def write(self, record: dict[str, Any], step: int | None = None) -> None:
-        """Write ``record`` (stamped with ``step`` and ``rank``) as one flushed line.
+        """Write ``record`` (stamped with ``step`` and ``rank``) as one line, flushed to the
+        OS now, or queued to the file's appender thread where a writer offloads.
 
         Raises:
-            OSError: the directory cannot be created or the file written.
+            OSError: the directory cannot be created or the file written (where a writer
+                offloads: an earlier line could not be written; this one is not either).
         """
         stamped = {"step": context.step_number() if step is None else step, "rank": self.rank,
                    **record}

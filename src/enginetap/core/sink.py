@@ -84,6 +84,7 @@ class RecordSink:
                                             daemon=True)
             self._thread.start()
             # stuck exit: write what no other thread is writing, never wait for it
+            # (an offloading writer's appender thread: a moment at most)
             shutdown.on_exit(self._at_exit, stuck=self._stuck)
 
     def pump(self) -> None:
