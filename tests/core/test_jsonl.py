@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
-from enginetap.core import context
+import pytest
+
+from enginetap.core import context, jsonl
 from enginetap.core.context import Step, StepRows, publish
 from enginetap.core.jsonl import RankJsonl, close_all
 from enginetap.core.ranks import merge_rank_files
@@ -54,3 +59,42 @@ def test_fast_lines_equal_json_lines_and_fall_back_where_orjson_cannot():
     assert encode_line(record, fast=True) == plain
     huge = {"n": 1 << 70, "s": "\u00e9"}  # beyond 64 bits: orjson refuses, json writes it
     assert encode_line(huge, fast=True) == json.dumps(huge, separators=(",", ":")) + "\n"
+
+
+def test_an_offloading_writer_writes_every_line_in_order_by_flush_close_and_exit(tmp_path):
+    base = tmp_path / "tap.jsonl"
+    writer = RankJsonl(base, 0, fast=True, offload=True)
+    plain = RankJsonl(base, 0)  # another writer of the file: its lines queue behind
+    for n in range(200):
+        (plain if n % 50 == 7 else writer).write({"n": n, "pad": "x" * 5000}, step=n)
+    writer.flush()
+    lines = (tmp_path / "tap-rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["n"] for line in lines] == list(range(200))
+    assert jsonl._APPENDERS[writer.path].thread.is_alive()
+    writer.close()
+    assert writer.path not in jsonl._APPENDERS
+    # a process that ends without closing: its exit writes what is queued
+    script = ("from enginetap.core.jsonl import RankJsonl\n"
+              f"w = RankJsonl({str(tmp_path / 'exit.jsonl')!r}, 0, offload=True)\n"
+              "for n in range(300):\n    w.write({'n': n, 'pad': 'y' * 20000}, step=n)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    lines = (tmp_path / "exit-rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["n"] for line in lines] == list(range(300))
+
+
+def test_an_offloading_writer_raises_the_write_error_at_its_next_call(tmp_path):
+    writer = RankJsonl(tmp_path / "full.jsonl", 0, offload=True)
+    jsonl._OPEN[writer.path] = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+    try:
+        writer.write({"a": 1})
+        with pytest.raises(OSError):
+            writer.flush()  # the line's error, raised once
+        writer.flush()
+        writer.write({"a": 2})
+        jsonl._APPENDERS[writer.path].flush()  # written (and failed) on the thread
+        with pytest.raises(OSError):
+            writer.write({"a": 3})  # the next call raises it
+    finally:
+        jsonl._APPENDERS.pop(writer.path).stop()
+        os.close(jsonl._OPEN.pop(writer.path))

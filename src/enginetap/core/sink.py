@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enginetap.core import shutdown
-from enginetap.core.jsonl import RankJsonl
+from enginetap.core.jsonl import STUCK_FLUSH_S, RankJsonl
 
 logger = logging.getLogger("enginetap.sink")
 
@@ -84,7 +84,8 @@ class RecordSink:
                                             daemon=True)
             self._thread.start()
             # stuck exit: write what no other thread is writing, never wait for it
-            shutdown.on_exit(self.drain, stuck=self.pump)
+            # (an offloading writer's appender thread: a moment at most)
+            shutdown.on_exit(self._at_exit, stuck=self._stuck)
 
     def pump(self) -> None:
         """Write what is pending, unless another thread is writing (then: next time).
@@ -101,6 +102,14 @@ class RecordSink:
             self.pump()
             if self._written < self._submitted:  # another thread is writing
                 time.sleep(0.002)
+
+    def _at_exit(self) -> None:
+        self.drain()
+        self.writer.flush()  # an offloading writer's lines (jsonl): on disk before exit
+
+    def _stuck(self) -> None:
+        self.pump()
+        self.writer.flush(STUCK_FLUSH_S)
 
     def stop(self) -> None:
         """Discard pending records and ignore later ones (the output became unwritable)."""
@@ -120,7 +129,7 @@ class RecordSink:
         if thread is not None:
             self._stop = True
             thread.join()
-            shutdown.forget(self.drain)
+            shutdown.forget(self._at_exit)
         self.writer.close()
 
     def _write_pending(self) -> None:

@@ -44,7 +44,8 @@ class StepLedger:
     """Calls per checkpoint name this step (repeat counts: ``name#2``...)."""
     sampler: list[tuple[torch.device, torch.Tensor]] = field(default_factory=list)
     index: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict)
-    """Per (list, device): the step's row lists as device tensors, built once."""
+    """Per (list, device): the step's row lists as device tensors, built once (or kept
+    from the last step where its list was the same: they are only read)."""
     quick: bool = False
     """This step runs quick (its list may already be examined: :attr:`listed` None)."""
     listed: list[tuple[str | None, Any]] | None = None
@@ -57,14 +58,34 @@ class StepLedger:
     """Checkpoint names (as the wrappers test them) to examine at their call from the next
     step on: gathered rather than deferred, or left out of a quick step."""
 
-    def pick(self, rows: list[dict[str, Any]]) -> None:
-        """Take ``rows`` (the tapped rows' records, in batch order) as the step's."""
+    def pick(self, rows: list[dict[str, Any]], previous: StepLedger | None = None) -> None:
+        """Take ``rows`` (the tapped rows' records, in batch order) as the step's; the
+        ``previous`` step's device lists are kept where this step's lists equal its."""
         self.rows = rows
         self.token_index = [r["token_index"] for r in rows]
-        last = {r["key"]: i for i, r in enumerate(rows)}
-        order = {key: n for n, key in enumerate(last)}
-        self.request_of_row = [order[r["key"]] for r in rows]
-        self.request_token_index = [self.token_index[i] for i in last.values()]
+        keys = [r["key"] for r in rows]
+        if len(set(keys)) == len(keys):  # one row per request (decode)
+            self.request_of_row = list(range(len(keys)))
+            self.request_token_index = self.token_index
+        else:
+            last = {key: i for i, key in enumerate(keys)}
+            order = {key: n for n, key in enumerate(last)}
+            self.request_of_row = [order[key] for key in keys]
+            self.request_token_index = [self.token_index[i] for i in last.values()]
+        if previous is not None and previous.index:
+            mine, theirs = self._lists(), previous._lists()
+            self.index.update((key, tensor) for key, tensor in previous.index.items()
+                              if mine[key[0]] == theirs[key[0]])
+
+    def carried(self) -> StepLedger:
+        """What the next step's :meth:`pick` may keep of this one: its row lists and their
+        device tensors only (nothing of its checkpoints)."""
+        return StepLedger(token_index=self.token_index, request_of_row=self.request_of_row,
+                          request_token_index=self.request_token_index, index=self.index)
+
+    def _lists(self) -> dict[str, list[int]]:
+        return {"rows": self.token_index, "requests": self.request_token_index,
+                "inverse": self.request_of_row}
 
     def device_list(self, what: str, device: torch.device) -> torch.Tensor:
         """``"rows"``: :attr:`token_index`, ``"requests"``: :attr:`request_token_index`,
@@ -72,9 +93,8 @@ class StepLedger:
         per step; the rows must be picked)."""
         found = self.index.get((what, device))
         if found is None:
-            values = {"rows": self.token_index, "requests": self.request_token_index,
-                      "inverse": self.request_of_row}[what]
-            found = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+            found = torch.tensor(self._lists()[what], dtype=torch.int64).to(
+                device, non_blocking=True)
             self.index[(what, device)] = found
         return found
 
@@ -107,4 +127,4 @@ class StepLedger:
     @property
     def deferred_count(self) -> int:
         """Checkpoints of the step hashed in place at step end."""
-        return sum(1 for slot in self.slots if slot < 0)
+        return sum(map((0).__gt__, self.slots))  # slot < 0, in C

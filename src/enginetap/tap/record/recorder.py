@@ -44,7 +44,7 @@ class TapRecorder(RecorderCalls):
         self.context = context
         self.options = options
         self.writer = RankJsonl(context.out_dir / f"{options.file}.jsonl", context.rank,
-                                fast=True)  # see transfer._format
+                                fast=True, offload=True)  # see transfer._format
         self.sink = RecordSink(self.writer, deferred=torch.cuda.is_available(),
                                name="enginetap-tap-sink")
         self.vectors = VectorDump.from_options(context.out_dir, context.rank, options)
@@ -74,11 +74,16 @@ class TapRecorder(RecorderCalls):
         """A compiled engine's checkpoints (:class:`~enginetap.tap.record.compiled.CompiledTap`),
         hashed in the graph and collected at step end."""
         self.ledger = StepLedger()
+        self.carried: StepLedger | None = None
+        """The row lists of the last step whose rows were picked, with their device
+        tensors (a step with the same lists keeps them, :meth:`.StepLedger.pick`)."""
         self._clear()
 
     def _clear(self) -> None:
         """No step under way; the step's ledger retired."""
         self.quick_state.later |= self.ledger.call_later
+        if self.ledger.index:
+            self.carried = self.ledger.carried()
         self.ledger = StepLedger()
         self.step: Step | None = None
         """The step under way, if it taps any row (the wrappers read it per call)."""
@@ -165,7 +170,7 @@ class TapRecorder(RecorderCalls):
         if not picked:
             self.step = None
             return
-        ledger.pick(row_records(step, picked, prefixes))
+        ledger.pick(row_records(step, picked, prefixes), self.carried)
         self.checkpointer.rows_picked(ledger)
 
     def end(self, step: Step) -> None:

@@ -36,13 +36,28 @@ class PrefixTracker:
     """Per request key: the next position expected and the hash of the tokens before it."""
 
     seen: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _keys: list[str] = field(default_factory=list)
+    _next: list[int] = field(default_factory=list)
+    _hashes: list[int | None] = field(default_factory=list)
+    """The last step's keys (all distinct), each row's next position and prefix hash
+    (what :attr:`seen` holds for each key); empty where its keys were not distinct."""
 
     def update(self, step: Step) -> list[int | None]:
         """Prefix hash of every row of ``step`` (None where earlier tokens were never seen,
         e.g. a prefix taken from a cache)."""
-        out: list[int | None] = []
         rows = step.rows
-        for key, pos, tok in zip(rows.keys, rows.positions, rows.token_ids):
+        keys, positions, tokens = rows.keys, rows.positions, rows.token_ids
+        if positions == self._next and keys == self._keys and None not in self._hashes:
+            # a decode step of the last step's requests, in its order, each one further:
+            # every row continues its key's hash (what the loop below would find in seen)
+            out: list[int | None] = [(h * _BASE + tok + 1) % _PRIME  # type: ignore[operator]
+                                     for h, tok in zip(self._hashes, tokens)]
+            following = [pos + 1 for pos in positions]
+            self.seen.update(zip(keys, zip(following, out)))  # type: ignore[arg-type]
+            self._next, self._hashes = following, out
+            return out
+        out = []
+        for key, pos, tok in zip(keys, positions, tokens):
             before = self.seen.get(key)
             if pos == 0:
                 h: int | None = 0
@@ -56,11 +71,11 @@ class PrefixTracker:
             h = (h * _BASE + tok + 1) % _PRIME
             self.seen[key] = (pos + 1, h)
             out.append(h)
+        distinct = len(set(keys)) == len(keys)
+        self._keys = list(keys) if distinct else []
+        self._next = [pos + 1 for pos in positions] if distinct else []
+        self._hashes = out if distinct else []
         return out
-
-
-def _column(values: list[int] | None, i: int) -> int | None:
-    return None if values is None else values[i]
 
 
 def fill_late_lengths(records: list[dict[str, Any]], step: Step) -> None:
@@ -68,40 +83,46 @@ def fill_late_lengths(records: list[dict[str, Any]], step: Step) -> None:
     engine on a GPU: reading them earlier would stop the host for the device), copied
     into records picked before that."""
     rows = step.rows
-    for record in records:
-        i = record["row"]
-        if record["query_len"] is None:
-            record["query_len"] = _column(rows.query_lens, i)
-        if record["seq_len"] is None:
-            record["seq_len"] = _column(rows.seq_lens, i)
+    for name, column in (("query_len", rows.query_lens), ("seq_len", rows.seq_lens)):
+        if column is not None:
+            for record in records:
+                if record[name] is None:
+                    record[name] = column[record["row"]]
 
 
 def row_records(step: Step, picked: list[int], prefixes: list[int | None]) -> list[dict[str, Any]]:
     """The metadata of each tapped row, as written to the tap file (per-group slots
     only where the engine has several cache groups of a kind). Runs every step for every
-    tapped row: each column is read once (an absent one as all None)."""
+    tapped row: each column is read once (an absent one as all None), as a slice where
+    the rows picked are consecutive (no request filter: every step)."""
     rows = step.rows
-    index = rows.token_index
+    lo, hi = (picked[0], picked[-1] + 1) if picked else (0, 0)
+    if picked and picked == list(range(lo, hi)):
+
+        def take(column: list[Any] | None) -> list[Any]:
+            return [None] * (hi - lo) if column is None else column[lo:hi]
+    else:
+        def take(column: list[Any] | None) -> list[Any]:
+            return [None] * len(picked) if column is None else [column[i] for i in picked]
+    index = take(rows.token_index) if rows.token_index is not None else picked
+    out = [{"row": i, "key": key, "request_id": request_id, "pos": pos, "tok": tok,
+            "computed_host": host, "computed_device": device, "kv_slot": kv,
+            "state_slot": state, "token_index": token_index, "planned": planned,
+            "query_len": query, "seq_len": seq,
+            "prefix": None if prefix is None else f"{prefix:016x}"}
+           for i, key, request_id, pos, tok, host, device, kv, state, token_index, planned,
+           query, seq, prefix in zip(
+               picked, take(rows.keys), take(rows.request_ids), take(rows.positions),
+               take(rows.token_ids), take(rows.computed_host), take(rows.computed_device),
+               take(rows.kv_slots), take(rows.state_slots), index,
+               take(rows.planned_tokens), take(rows.query_lens), take(rows.seq_lens),
+               take(prefixes))]
     groups = {name: g for name, g in (("kv_groups", rows.kv_groups),
                                       ("state_groups", rows.state_groups)) if g and len(g) > 1}
-    keys, ids, positions, tokens = rows.keys, rows.request_ids, rows.positions, rows.token_ids
-    host, n = rows.computed_host, len(keys)
-    device, kv, state, planned, query, seq = (
-        [None] * n if c is None else c
-        for c in (rows.computed_device, rows.kv_slots, rows.state_slots, rows.planned_tokens,
-                  rows.query_lens, rows.seq_lens))
-    out = []
-    for i in picked:
-        prefix = prefixes[i]
-        record = {"row": i, "key": keys[i], "request_id": ids[i], "pos": positions[i],
-                  "tok": tokens[i], "computed_host": host[i], "computed_device": device[i],
-                  "kv_slot": kv[i], "state_slot": state[i],
-                  "token_index": i if index is None else index[i], "planned": planned[i],
-                  "query_len": query[i], "seq_len": seq[i],
-                  "prefix": None if prefix is None else f"{prefix:016x}"}
-        for name, per_group in groups.items():
+    for name, per_group in groups.items():
+        for record in out:
+            i = record["row"]
             record[name] = {group: slots[i] for group, slots in per_group.items()}
-        out.append(record)
     return out
 
 

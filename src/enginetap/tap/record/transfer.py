@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import platform
-import struct
 from typing import Any
 
+import numpy as np
 import torch
 
 from enginetap.core.capability import ArmContext
 from enginetap.core.context import Step
-from enginetap.core.jsonl import NonFinite
+from enginetap.core.jsonl import Encoded, NonFinite
 from enginetap.core.sink import RecordSink
 from enginetap.core.tensors import capturing
 from enginetap.tap.options import TapOptions
@@ -31,6 +32,10 @@ logger = logging.getLogger("enginetap.tap")
 Launched = tuple[torch.device, list[str], torch.Tensor, torch.Tensor, list[torch.Tensor]]
 """One device's step end: its names, verification flags, everything to bring to the host
 in one tensor, and the sampler values in it."""
+
+
+_DEVICE = operator.itemgetter(0)
+_NAME = operator.itemgetter(1)
 
 
 class Transfer:
@@ -54,8 +59,12 @@ class Transfer:
         (one transfer per device, one device in practice); returns the function that
         formats the record from it."""
         by_device: dict[torch.device, list[tuple[str, int]]] = {}
-        for (device, name), slot in zip(ledger.names, ledger.slots):
-            by_device.setdefault(device, []).append((name, slot))
+        devices = set(map(_DEVICE, ledger.names))
+        if len(devices) == 1:  # in practice: one list, made in C
+            by_device[devices.pop()] = list(zip(map(_NAME, ledger.names), ledger.slots))
+        else:
+            for (device, name), slot in zip(ledger.names, ledger.slots):
+                by_device.setdefault(device, []).append((name, slot))
         host: list[tuple[list[str], torch.Tensor, int]] = []
         dropped: list[str] = []
         k = len(ledger.rows)
@@ -67,7 +76,8 @@ class Transfer:
             launched.append((device, names, checks,
                              torch.cat([hashes.flatten(), checks, *extra]), extra))
         gone = set(dropped)
-        order = [name for _, name in ledger.names if name not in gone]
+        order = [name for _, name in ledger.names if name not in gone] if gone else \
+            list(map(_NAME, ledger.names))
         if compiled is not None:  # hashed in the graph: one read of its buffer
             names, hashes = compiled.collect(k)
             order = names + order
@@ -216,26 +226,63 @@ def header(context: ArmContext, options: TapOptions, models: list[dict[str, Any]
 
 def _format(head: dict[str, Any], host: list[tuple[list[str], torch.Tensor, int]],
             k: int) -> dict[str, Any]:
-    hashes: dict[str, str] = {}
-    sampler: list[list[int]] = []
-    width = 16 * k
+    """The step's record from ``head`` and the hashes and sampler values on the host:
+    per device, its names and one flat int64 tensor (hashes ``[names, k]``, then 4
+    sampler words per row where ``extra``)."""
+    tables: list[np.ndarray] = []
+    listed: list[str] = []
+    sampler: list[dict[str, Any]] = []
+    finite = True
     for names, flat, extra in host:
-        digits = flat[:len(names) * k].numpy().astype(">u8").tobytes().hex()
-        for j, name in enumerate(names):
-            hashes[name] = digits[j * width:(j + 1) * width]
+        words = flat.numpy()
+        tables.append(words[:len(names) * k].reshape(len(names), k))
+        listed += names
         if extra:
-            tail = flat[len(names) * k:].tolist()
-            sampler = [tail[r * 4:r * 4 + 4] for r in range(k)]
-    rows = [_sampler_row(s) for s in sampler]
-    record = step_record(**head, hashes=[hashes[n] for n in head["checkpoints"]], sampler=rows)
+            tail = words[len(names) * k:(len(names) + 4) * k]
+            sampler, finite = _sampler_rows(memoryview(np.ascontiguousarray(tail)).cast("B"), k)
+    order = head["checkpoints"]
+    table = tables[0] if len(tables) == 1 else np.concatenate(tables) if tables else \
+        np.zeros((0, k), dtype=np.int64)
+    if listed != order:  # several devices, or a compiled tap's names first
+        at = {name: i for i, name in enumerate(listed)}
+        table = table[[at[name] for name in order]]
+    record = step_record(**head, hashes=Encoded(_hex_list(table)), sampler=sampler)
     # The sampler's logits are the record's only floats; a masked vocabulary (constrained
     # decoding) makes them infinite, which only json writes as they are.
-    if all(math.isfinite(r["top1"]) and math.isfinite(r["top2"]) for r in rows):
-        return record
-    return NonFinite(record)
+    return record if finite else NonFinite(record)
 
 
-def _sampler_row(packed: list[int]) -> dict[str, Any]:
-    top1, top2 = (struct.unpack("<d", struct.pack("<q", v))[0] for v in packed[2:4])
-    return {"argmax": packed[0], "runner_up": packed[1], "top1": top1, "top2": top2,
-            "gap": top1 - top2}
+_HEX = np.frombuffer("".join(f"{i:02x}" for i in range(256)).encode(), dtype=np.uint16)
+"""Per byte value, its two lowercase hex digits (ASCII) as one uint16 (512 bytes: in the
+first-level cache after one use)."""
+
+
+def _hex_list(table: np.ndarray) -> bytes:
+    """``table`` (int64 ``[checkpoints, rows]``) as the record's ``hashes``, encoded: a
+    JSON list of one string per checkpoint, 16 hex digits per row (the row's 64 bits,
+    big-endian), built in a few numpy passes over the whole table (no Python string
+    per checkpoint)."""
+    n, k = table.shape
+    if not n:
+        return b"[]"
+    width = 16 * k
+    digits = _HEX.take(np.ascontiguousarray(table, dtype=">u8").view(np.uint8))
+    line = np.empty(1 + n * (width + 3), dtype=np.uint8)
+    line[0] = ord("[")
+    body = line[1:].reshape(n, width + 3)
+    body[:, 0] = body[:, width + 1] = ord('"')
+    body[:, width + 2] = ord(",")
+    body[:, 1:width + 1] = digits.view(np.uint8).reshape(n, width)
+    body[-1, -1] = ord("]")
+    return line.tobytes()
+
+
+def _sampler_rows(packed: memoryview, k: int) -> tuple[list[dict[str, Any]], bool]:
+    """Per row, its sampler record from its 4 words in ``packed`` (bytes: argmax,
+    runner-up, and the top two logits' float64 bits, native order); whether every logit
+    is finite."""
+    ints, floats = packed.cast("q").tolist(), packed.cast("d").tolist()
+    rows = [{"argmax": ints[i], "runner_up": ints[i + 1], "top1": floats[i + 2],
+             "top2": floats[i + 3], "gap": floats[i + 2] - floats[i + 3]}
+            for i in range(0, 4 * k, 4)]
+    return rows, all(map(math.isfinite, floats[2::4] + floats[3::4]))
