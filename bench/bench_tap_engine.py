@@ -237,20 +237,15 @@ def _timed(owner: Any, attr: str, label: str) -> None:
     UNDO.append((owner, attr, owner.__dict__.get(attr)))
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start, emulated = NS[0](), EMULATED[0]
+        start, emulated = time.thread_time_ns(), EMULATED[0]
         try:
             return original(*args, **kwargs)
         finally:
-            SPENT[label] = SPENT.get(label, 0) + NS[0]() - start - int(
+            SPENT[label] = SPENT.get(label, 0) + time.thread_time_ns() - start - int(
                 (EMULATED[0] - emulated) * 1e9)
 
     setattr(owner, attr, timed)
 
-
-NS = [time.thread_time_ns]
-"""The breakdown's clock: the engine thread's CPU time; on CUDA the wall clock (the loop is
-host-bound there, and that host's thread clock disagreed with itself: parts timed inside
-another part came out larger than it)."""
 
 TIMER = [0]
 """Nanoseconds the wrapper timing itself adds to a call's own time (calibrated)."""
@@ -301,21 +296,21 @@ def breakdown_on() -> None:
         tap = factory(*args, **kwargs)
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-            start, inner = NS[0](), [0]
+            start, inner = time.thread_time_ns(), [0]
 
             def call(*a: Any, **k: Any) -> Any:
-                began = NS[0]()
+                began = time.thread_time_ns()
                 try:
                     return wrapped(*a, **k)
                 finally:
-                    inner[0] += NS[0]() - began
+                    inner[0] += time.thread_time_ns() - began
 
             try:
                 return tap(call, instance, args, kwargs)
             finally:
                 SPENT["wrapper calls"] = SPENT.get("wrapper calls", 0) + 1
                 SPENT["wrapper own"] = SPENT.get("wrapper own", 0) + (
-                    NS[0]() - start - inner[0] - TIMER[0])
+                    time.thread_time_ns() - start - inner[0] - TIMER[0])
 
         wrapper.__enginetap_contained__ = True  # type: ignore[attr-defined]
         return wrapper
@@ -439,8 +434,7 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
                       f"{statistics.median(over):+.1%} vs {statistics.median(mine):+.1%})")
     if args.breakdown:
         calibrate()
-        clock_name = "engine-thread CPU" if NS[0] is time.thread_time_ns else "wall-clock"
-        print(f"\nwhere the tap's {clock_name} time goes (one more generate each, batch "
+        print(f"\nwhere the tap's engine-thread CPU time goes (one more generate each, batch "
               f"{batch}), us per decode step (wrapper own: the sublayer wrappers' time less the "
               f"modules they wrap, the KV points and the timing's own {TIMER[0] / 1e3:.2f} us; "
               f"checkpoints taken at the call inside it):")
@@ -460,7 +454,7 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
                   f"{SPENT.get('wrapper own', 0) / calls / 1e3:.2f} us over {calls // steps} "
                   f"calls a step")
     if args.profile:
-        profile = cProfile.Profile(NS[0], 1e-9)  # CPU time: a shared host
+        profile = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: a shared host
         run_variant(args.profile, model, reqs, out, args.rows, Clock(), profile)
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.profile_lines)
@@ -495,8 +489,6 @@ def main() -> None:
     if "disarmed" not in args.variants:
         args.variants.insert(0, "disarmed")
     DEVICE[0] = args.device
-    if args.device != "cpu":
-        NS[0] = time.perf_counter_ns
     if args.device == "cpu":
         torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
