@@ -176,8 +176,11 @@ def logits_wrapper(recorder: TapRecorder):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if recorder.step is not None and recorder.live and isinstance(logits, torch.Tensor) \
                 and logits.dim() == 3 and isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            batch = _batch_rows(recorder, ids)
-            recorder.note_logits(logits[batch, -1, :])
+            if ids.shape[1] == 1 and len(recorder.token_index) == ids.shape[0]:
+                picked = logits[:, -1, :]  # a decode step tapping every row: no gather
+            else:
+                picked = logits[_batch_rows(recorder, ids), -1, :]
+            recorder.note_logits(picked)
         return out
 
     return tap_logits
