@@ -1,4 +1,4 @@
-"""Run by test_rowhash.py in a child with TRITON_INTERPRET=1 (set before Triton loads): the
+"""Run by test_kernels.py in a child with TRITON_INTERPRET=1 (set before Triton loads): the
 graphs mode's per-layer kernel (several checkpoints into their buffer slots, one launch)
 against the torch reference, on the CPU through Triton's interpreter."""
 

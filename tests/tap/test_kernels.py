@@ -19,12 +19,16 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernels are "
                     "checked on the device (the tests below); Triton 3.6's interpreter there "
                     "fails on kernels Triton 3.9's runs")
-def test_kernels_equal_the_reference_in_the_interpreter() -> None:
+@pytest.mark.parametrize(("checks", "agreed"), [
+    ("kernel_checks.py", "kernels agree"),
+    ("rowhash_checks.py", "rowhash kernels agree"),  # the graphs mode's per-layer kernel
+])
+def test_kernels_equal_the_reference_in_the_interpreter(checks: str, agreed: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_checks.py"))],
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(checks))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernels agree" in done.stdout
+    assert agreed in done.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
