@@ -157,12 +157,10 @@ class CompiledTap:
         per-layer launches read (see :meth:`flush`)."""
         self._captured: list[list[int]] = []
         """The table entries of the graph being captured, in launch order."""
-        self.launches = 0
         self._filled: dict[int, torch.Tensor] = {}
         """Graphs mode, by captured padded row count: the rows its static index holds."""
         self._alias_index: tuple[dict[int, int], Any, Any] = ({}, None, None)
         """:attr:`alias` as index tensors (made again when it changes)."""
-        """Graphs mode: hash launches made (captured or eager) since attached."""
 
     def header(self) -> dict[str, Any]:
         """What the tap file's header says of this mode."""
@@ -252,7 +250,6 @@ class CompiledTap:
             return
         torch.ops.enginetap.tap_hash_rows_fixed(self.buffer, tensor, self.index, slot,
                                                 self.padded)
-        self.launches += 1
 
     def flush(self) -> None:
         """Graphs mode: hash the checkpoints held since the last flush in one launch (a
@@ -273,7 +270,6 @@ class CompiledTap:
             view = torch.tensor(entries, dtype=torch.int64).to(self.buffer.device,
                                                                non_blocking=True)
         rowhash.hash_slots(self.buffer, view, len(entries), self.index, widest)
-        self.launches += 1
 
     def _flush_hook(self, module: Any, args: tuple, out: Any) -> None:
         self.flush()

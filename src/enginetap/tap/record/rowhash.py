@@ -122,6 +122,6 @@ def fused_hash(buffer: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
     words = rows.view(torch.uint8).view(torch.int32)  # [padded, width words], a view
     chunks = -(-words.shape[1] // _BLOCK)
     _kernel()[0][(index.numel(), chunks)](words, words.stride(0), index, buffer[slot],
-                                    buffer[slot, -1:], words.shape[1], _GOLDEN - (1 << 64),
-                                    BLOCK=_BLOCK, SPLIT=chunks > 1)
+                                          buffer[slot, -1:], words.shape[1],
+                                          _GOLDEN - (1 << 64), BLOCK=_BLOCK, SPLIT=chunks > 1)
     return True
