@@ -73,11 +73,6 @@ class Checkpointer:
         for device, staging in self.staging.items():
             staging.reset(len(ledger.rows), ledger.device_list("inverse", device))
 
-    def deferring(self) -> tuple[int, DeferredHashes] | None:
-        """The device index and deferred state of the one device that defers (quick steps
-        need exactly one); None otherwise."""
-        return next(iter(self.fast.items())) if len(self.fast) == 1 else None
-
     def hashed_bytes(self) -> int:
         """Bytes staged and hashed in place in the step just ended."""
         return sum(s.used for s in self.staging.values()) + sum(
@@ -167,9 +162,7 @@ class Checkpointer:
         compared, or where the name was demoted or the byte budget is spent. Nothing
         where the points are refused (see :meth:`allowed`). Taken at the call even in a
         quick step (markers in its list, see :meth:`.StepLedger.record`)."""
-        if not (self.forced or not (_compiling() or (self.cuda and _capturing()))):
-            for name in names:
-                self._refuse(name)
+        if not all([self.allowed(name) for name in names]):  # each refused name noted
             return []
         device = keys.device
         deferred = self.fast.get(keys.get_device())

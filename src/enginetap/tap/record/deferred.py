@@ -212,7 +212,6 @@ class DeferredHashes:
         stride = keys.stride()
         at, kept, vkept = stride[2] * size, keys.data_ptr(), values.data_ptr()
         row, width, apart = stride[0] * size // 4, dim * size // 4, stride[1] * size // 4
-        version = None if keys.is_inference() else keys._version
         vversion = None if values.is_inference() else values._version
         if vversion is not None:
             self.counted_values = True
@@ -224,15 +223,7 @@ class DeferredHashes:
                 continue
             self.spent = False
             self.held += nbytes
-            slot = len(self.tensors)
-            self.addresses.append(kept + column * at)
-            self.strides.append(row)
-            self.widths.append(width)
-            self.tensors.append(keys)
-            self.versions.append(version)
-            self.names.append(name)
-            if version is not None:
-                self.seen_version[name] = version
+            slot = self._append(name, keys, kept + column * at, row, width)
             self.pieces[slot] = (heads, apart, vkept + column * at, values, vversion)
             slots.append(slot)
         return slots
