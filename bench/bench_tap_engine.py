@@ -16,6 +16,11 @@ rotated each round) so that machine noise hits all alike:
 - ``tap-at-call``: the default tap with the recorder's quick steps off (every checkpoint
   examined at its call; on a GPU the quick steps list a settled step's checkpoints and
   examine them at the device wait): whether that machinery pays;
+- ``tap-no-sampler``, ``tap-no-kv``: the default tap without the sampler's top-2, or
+  without the KV points (what each costs);
+- ``tap-gather``: the default tap with ``defer=False``: every checkpoint's rows gathered
+  and hashed at its call (the CPU's path), nothing kept for a step-end hash in place:
+  whether deferral pays;
 - ``tap-kv-staged``: the default tap with the KV points always gathered into staging
   slots (as where not every token row is tapped), never kept for the step-end hash in
   place: what keeping them saves;
@@ -46,6 +51,7 @@ import ctypes
 import gc
 import io
 import pstats
+import random
 import statistics
 import tempfile
 import time
@@ -63,7 +69,12 @@ from enginetap.engines.hf.arming import disarm
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record.fingerprint import word_weights
 
-VARIANTS = ("disarmed", "tap", "tap-kv-staged", "tap-fp", "tap-at-call", "seed-002", "hooks")
+VARIANTS = ("disarmed", "tap", "tap-kv-staged", "tap-fp", "tap-at-call", "tap-gather",
+            "tap-no-sampler", "tap-no-kv", "seed-002", "hooks")
+OPTIONS: dict[str, dict[str, Any]] = {
+    "tap-fp": {"continuity": False, "sampler": False}, "tap-gather": {"defer": False},
+    "tap-no-sampler": {"sampler": False}, "tap-no-kv": {"continuity": False}}
+"""The tap options of the variants that are not the defaults."""
 
 
 def build(hidden: int, layers: int, device: str, dtype: torch.dtype, vocab: int = 32000) -> Any:
@@ -163,19 +174,23 @@ class SeedStyle:
         self.weights: dict[int, torch.Tensor] = {}
         self.checkpoints = 0
 
-    def install(self) -> None:
+    def install(self, listen: bool = True) -> None:
         for module in self.modules:
             if type(module).__name__.endswith("DecoderLayer"):
                 self.handles.append(module.register_forward_pre_hook(self.pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self.post))
-        subscribe(on_begin=self.begin, on_end=self.end)
+        if listen:
+            subscribe(on_begin=self.begin, on_end=self.end)
 
-    def uninstall(self) -> None:
-        unsubscribe(self.begin)
-        unsubscribe(self.end)
+    def uninstall(self, listen: bool = True) -> None:
+        if listen:
+            unsubscribe(self.begin)
+            unsubscribe(self.end)
         for handle in self.handles:
             handle.remove()
-        self.handles, self.index = [], None
+        self.handles = []
+        if listen:
+            self.index = None
 
     def begin(self, step: Step) -> None:
         self.padded = step.padded_tokens or len(step.rows)
@@ -226,6 +241,18 @@ class BareHooks(SeedStyle):
 
 DEVICE = ["cpu"]
 
+NOW = [time.thread_time_ns]
+"""``--breakdown``'s clock: the engine thread's CPU time on a CPU; wall time on a GPU's
+host (its thread clock was found inconsistent there; the parts it times run on the engine
+thread with nothing of theirs to wait for)."""
+DECODE = [True]
+"""Whether the step under way is a decode step (``--breakdown`` counts only those)."""
+
+
+def _decode(step: Step) -> None:
+    DECODE[0] = step.mode == "decode"
+
+
 UNDO: list[tuple[Any, str, Any]] = []
 SPENT: dict[str, int] = {}
 """``--breakdown``: engine-thread CPU nanoseconds by part of the tap (emulated hash out)."""
@@ -237,11 +264,13 @@ def _timed(owner: Any, attr: str, label: str) -> None:
     UNDO.append((owner, attr, owner.__dict__.get(attr)))
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start, emulated = time.thread_time_ns(), EMULATED[0]
+        if not DECODE[0]:
+            return original(*args, **kwargs)
+        start, emulated = NOW[0](), EMULATED[0]
         try:
             return original(*args, **kwargs)
         finally:
-            SPENT[label] = SPENT.get(label, 0) + time.thread_time_ns() - start - int(
+            SPENT[label] = SPENT.get(label, 0) + NOW[0]() - start - int(
                 (EMULATED[0] - emulated) * 1e9)
 
     setattr(owner, attr, timed)
@@ -296,21 +325,23 @@ def breakdown_on() -> None:
         tap = factory(*args, **kwargs)
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-            start, inner = time.thread_time_ns(), [0]
+            if not DECODE[0]:
+                return tap(wrapped, instance, args, kwargs)
+            start, inner = NOW[0](), [0]
 
             def call(*a: Any, **k: Any) -> Any:
-                began = time.thread_time_ns()
+                began = NOW[0]()
                 try:
                     return wrapped(*a, **k)
                 finally:
-                    inner[0] += time.thread_time_ns() - began
+                    inner[0] += NOW[0]() - began
 
             try:
                 return tap(call, instance, args, kwargs)
             finally:
                 SPENT["wrapper calls"] = SPENT.get("wrapper calls", 0) + 1
                 SPENT["wrapper own"] = SPENT.get("wrapper own", 0) + (
-                    time.thread_time_ns() - start - inner[0] - TIMER[0])
+                    NOW[0]() - start - inner[0] - TIMER[0])
 
         wrapper.__enginetap_contained__ = True  # type: ignore[attr-defined]
         return wrapper
@@ -334,8 +365,7 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
                 clock: Clock, profile: cProfile.Profile | None = None) -> dict[str, Any]:
     """One generate of ``name``; the recorder's (or seed's) checkpoints per step."""
     options = {"max_rows": rows}
-    if name == "tap-fp":
-        options.update(continuity=False, sampler=False)
+    options.update(OPTIONS.get(name, {}))
     arm = None
     if name.startswith("tap"):  # tap-at-call: the default options
         arm = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out / name,
@@ -380,17 +410,206 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
     return info
 
 
+class Paired:
+    """``--paired``: one generate per variant and round whose decode steps take turns,
+    two by two in a random order, between the variant on and off, so that a step with it
+    and a step without it are always neighbours (this host's speed drifts over seconds,
+    up to 2x between generates; two neighbouring steps see the same host).
+
+    Off, a step runs as a disarmed engine's does: the variant's wrappers are taken off
+    their classes (the tap's patches put back as they were before arming; the seed's hooks
+    removed), its step listeners are not called and the engine reads no valid lengths.
+    On, a tap step's record is formatted before the step's time closes (where the engine
+    is host-bound, as here, the next step's device wait that formats it in a real run
+    costs the same host time; here it cannot land on a neighbour that is off). A step's
+    time: from its begin to the next step's, less the switching done at that begin.
+    """
+
+    def __init__(self, engine: HFEngine, seed: SeedStyle | None, rng: random.Random) -> None:
+        self.engine, self.seed, self.rng = engine, seed, rng
+        self.arming = engine.arming
+        self.recorder = None if self.arming is None else self.arming.context.notes["tap"]
+        self.patches = [p for handle in ([] if self.arming is None else self.arming.installed)
+                        for p in getattr(getattr(handle, "patches", None), "patches", ())
+                        if p._state == "installed"]
+        self.decode = -1
+        self.state = True  # the prefill runs with the variant on
+        self.begins: list[float] = []
+        self.switched: list[float] = []
+        self.on: list[bool] = []
+        self._order: list[bool] = []
+        if self.recorder is not None:
+            for listener in (self.recorder.begin, self.recorder.end, self.recorder.waiting):
+                unsubscribe(listener)
+        if seed is not None:
+            unsubscribe(seed.begin)
+            unsubscribe(seed.end)
+        subscribe(on_begin=self.begin, on_end=self.end, on_wait=self.waiting)
+
+    def close(self) -> None:
+        self._switch(True)
+        for listener in (self.begin, self.end, self.waiting):
+            unsubscribe(listener)
+
+    def _switch(self, on: bool) -> None:
+        if on == self.state:
+            return
+        self.state = on
+        for patch in self.patches:
+            owner, attr = patch._owner, patch.target.attribute
+            if on:
+                setattr(owner, attr, patch._installed_wrapper)
+            elif patch._owned:
+                setattr(owner, attr, patch._original)
+            else:
+                delattr(owner, attr)
+        if self.seed is not None:
+            if on:
+                self.seed.install(listen=False)
+            else:
+                self.seed.uninstall(listen=False)
+
+    def _next_on(self) -> bool:
+        if not self._order:
+            first = self.rng.random() < 0.5
+            self._order = [first, not first]
+        return self._order.pop(0)
+
+    def begin(self, step: Step) -> None:
+        started = time.perf_counter()
+        if step.mode == "decode":
+            self.decode += 1
+            self._switch(self._next_on())
+            now = time.perf_counter()
+            self.begins.append(now - EMULATED[0])  # (--emulate-defer: its hash left out)
+            self.switched.append(now - started)
+            self.on.append(self.state)
+        if self.state:
+            if self.recorder is not None:
+                self.recorder.begin(step)
+            if self.seed is not None:
+                self.seed.begin(step)
+
+    def waiting(self, step: Step) -> None:
+        if self.state and self.recorder is not None:
+            self.recorder.waiting(step)
+
+    def end(self, step: Step) -> None:
+        if self.state:
+            if self.recorder is not None:
+                self.recorder.end(step)
+                self.recorder.sink.pump()
+            if self.seed is not None:
+                self.seed.end(step)
+        # the engine reads valid lengths before the next step's begin: armed steps only
+        self.engine.arming = self.arming if self._peek() else None
+
+    def _peek(self) -> bool:
+        if not self._order:
+            first = self.rng.random() < 0.5
+            self._order = [first, not first]
+        return self._order[0]
+
+    def pairs(self, skip: int = 2) -> list[tuple[float, float]]:
+        """(on, off) step times of each block of two decode steps past the first
+        ``skip`` steps (the last step has no next begin)."""
+        times = [b - a - s for a, b, s in zip(self.begins, self.begins[1:], self.switched[1:])]
+        out = []
+        for i in range(skip - skip % 2, len(times) - 1, 2):
+            (t0, on0), (t1, _) = (times[i], self.on[i]), (times[i + 1], self.on[i + 1])
+            out.append((t0, t1) if on0 else (t1, t0))
+        return out
+
+
+def run_paired(name: str, model: Any, reqs: list[Request], out: Path, rows: int,
+               rng: random.Random) -> tuple[list[tuple[float, float]], int]:
+    """One generate of ``name`` with its decode steps on and off by turns (:class:`Paired`):
+    (on, off) step times per block, and the checkpoints of its last step."""
+    options: dict[str, Any] = {"max_rows": rows}
+    options.update(OPTIONS.get(name, {}))
+    arm = None
+    if name.startswith("tap"):
+        arm = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out / name,
+                        options={"tap": options, "step": {"record": False}})
+    kind = {"seed-002": SeedStyle, "hooks": BareHooks}.get(name)
+    seed = None if kind is None else kind(model, rows)
+    paired = None
+    try:
+        engine = HFEngine.from_loaded(model, prefix_cache_size=0, arm=arm)
+        if name == "tap-at-call":
+            engine.arming.context.notes["tap"].quick_steps = False
+        if seed is not None:
+            seed.install()
+        paired = Paired(engine, seed, rng)
+        gc.collect()
+        engine.generate(reqs)
+        recorder = paired.recorder
+        count = recorder.last_checkpoints if recorder is not None else seed.checkpoints
+        return paired.pairs(), count
+    finally:
+        if paired is not None:
+            paired.close()
+            engine.arming = paired.arming
+        if seed is not None:
+            seed.uninstall()
+        disarm()
+        close_all()
+
+
+def bench_paired(model: Any, args: argparse.Namespace, batch: int, out: Path) -> None:
+    """``--paired``: each variant against itself switched off, step by step."""
+    reqs = requests_for(model, args, batch)
+    run_variant("disarmed", model, reqs, out, args.rows, Clock())  # warm-up
+    names = [v for v in args.variants if v != "disarmed"]
+    ratios: dict[str, list[float]] = {v: [] for v in names}
+    on_ms: dict[str, list[float]] = {v: [] for v in names}
+    off_ms: dict[str, list[float]] = {v: [] for v in names}
+    pooled: dict[str, list[float]] = {v: [] for v in names}
+    counts: dict[str, int] = {}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            pairs, counts[name] = run_paired(name, model, reqs, out, args.rows,
+                                             random.Random(f"{batch}/{r}/{name}"))
+            per_block = [a / b for a, b in pairs]
+            pooled[name] += per_block
+            ratios[name].append(statistics.median(per_block))
+            on_ms[name].append(statistics.median(a for a, _ in pairs))
+            off_ms[name].append(statistics.median(b for _, b in pairs))
+    print(f"\nbatch {batch}, context {args.context}, {args.new_tokens} new tokens, "
+          f"{args.rounds} rounds, paired steps (each variant on vs off in neighbouring "
+          f"decode steps of one generate); median [min-max] over rounds of each round's "
+          f"median; pooled: the median over every block of every round")
+    print(f"{'variant':<11} {'off step ms':>20} {'on step ms':>20} {'on / off':>22} "
+          f"{'pooled':>8} blocks ckpts")
+    for name in names:
+        print(f"{name:<11} {spread(off_ms[name], 1e3):>20} {spread(on_ms[name], 1e3):>20} "
+              f"{spread(ratios[name], fmt='{:.4f}'):>22} "
+              f"{statistics.median(pooled[name]):8.4f} {len(pooled[name]):6} {counts[name]}")
+    if "seed-002" in names:
+        over = statistics.median(pooled["seed-002"]) - 1
+        for name in (n for n in names if n.startswith("tap")):
+            mine = statistics.median(pooled[name]) - 1
+            times = f"{over / mine:.1f}x" if mine > 0 else "unbounded (no overhead seen)"
+            print(f"seed-002 overhead / {name} overhead (pooled): {times} "
+                  f"({over:+.2%} vs {mine:+.2%})")
+
+
+def requests_for(model: Any, args: argparse.Namespace, batch: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, model.config.vocab_size, (batch, args.context),
+                            generator=gen).tolist()
+    return [Request(request_id=f"q{i}", prompt_ids=p, max_new_tokens=args.new_tokens)
+            for i, p in enumerate(prompts)]
+
+
 def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     return (f"{fmt.format(statistics.median(values) * scale)} "
             f"[{fmt.format(min(values) * scale)}-{fmt.format(max(values) * scale)}]")
 
 
 def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> None:
-    gen = torch.Generator().manual_seed(batch)
-    vocab = model.config.vocab_size
-    prompts = torch.randint(3, vocab, (batch, args.context), generator=gen).tolist()
-    reqs = [Request(request_id=f"q{i}", prompt_ids=p, max_new_tokens=args.new_tokens)
-            for i, p in enumerate(prompts)]
+    reqs = requests_for(model, args, batch)
     run_variant("disarmed", model, reqs, out, args.rows, Clock())  # warm-up
     names = ("step", "cpu", "launch")
     per_round: dict[str, dict[str, list[float]]] = {
@@ -434,19 +653,23 @@ def bench_batch(model: Any, args: argparse.Namespace, batch: int, out: Path) -> 
                       f"{statistics.median(over):+.1%} vs {statistics.median(mine):+.1%})")
     if args.breakdown:
         calibrate()
-        print(f"\nwhere the tap's engine-thread CPU time goes (one more generate each, batch "
-              f"{batch}), us per decode step (wrapper own: the sublayer wrappers' time less the "
-              f"modules they wrap, the KV points and the timing's own {TIMER[0] / 1e3:.2f} us; "
-              f"checkpoints taken at the call inside it):")
+        print(f"\nwhere the tap's engine-thread time goes (CPU: thread time; GPU: wall; one "
+              f"more generate each, batch {batch}, decode steps only), us per decode step "
+              f"(wrapper own: the sublayer wrappers' time less the modules they wrap, the KV "
+              f"points and the timing's own {TIMER[0] / 1e3:.2f} us; checkpoints taken at "
+              f"the call inside it):")
         for name in [v for v in args.variants if v.startswith("tap")]:
             breakdown_on()
             SPENT.clear()
             clock = Clock()
+            subscribe(on_begin=_decode)
             try:
                 run_variant(name, model, reqs, out, args.rows, clock)
             finally:
+                unsubscribe(_decode)
+                DECODE[0] = True
                 breakdown_off()
-            steps = len(clock.cpu) + 1  # and the prefill
+            steps = len(clock.cpu)  # decode steps only
             calls = SPENT.pop("wrapper calls", 1)
             SPENT["wrapper own"] = SPENT.get("wrapper own", 0) - SPENT.get("KV points", 0)
             parts = ", ".join(f"{k} {v / 1e3 / steps:.0f}" for k, v in SPENT.items())
@@ -483,12 +706,16 @@ def main() -> None:
     parser.add_argument("--profile-lines", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--breakdown", action="store_true", help="time the tap's parts")
+    parser.add_argument("--paired", action="store_true", help="each variant on vs off in "
+                        "neighbouring decode steps of one generate (see Paired)")
     parser.add_argument("--emulate-defer", action="store_true", help="CPU: the tap's GPU "
                         "path (deferred checkpoints, quick steps), see emulate_deferral")
     args = parser.parse_args()
     if "disarmed" not in args.variants:
         args.variants.insert(0, "disarmed")
     DEVICE[0] = args.device
+    if args.device != "cpu":
+        NOW[0] = time.perf_counter_ns
     if args.device == "cpu":
         torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
@@ -501,7 +728,7 @@ def main() -> None:
           + (", deferral emulated on the CPU" if args.emulate_defer else ""))
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batch:
-            bench_batch(model, args, batch, Path(tmp))
+            (bench_paired if args.paired else bench_batch)(model, args, batch, Path(tmp))
 
 
 if __name__ == "__main__":
