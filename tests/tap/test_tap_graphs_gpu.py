@@ -45,8 +45,8 @@ def run(tmp_path: Path) -> Iterator[Run]:
     """``run(mode, armed=True, lengths=(6, 3, 6))``: one generate call of PROMPTS."""
     made: list[int] = []
 
-    def go(mode: str, armed: bool = True, lengths: tuple[int, ...] = (6, 3, 6)
-           ) -> tuple[list[list[int]], TapRun | None, HFEngine]:
+    def go(mode: str, armed: bool = True, lengths: tuple[int, ...] = (6, 3, 6),
+           compile: bool | str = False) -> tuple[list[list[int]], TapRun | None, HFEngine]:
         out = tmp_path / f"run{len(made)}"
         made.append(1)
         config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
@@ -55,7 +55,8 @@ def run(tmp_path: Path) -> Iterator[Run]:
                 for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
         try:
             engine = HFEngine.from_builtin("llama", dtype=torch.float32, device="cuda",
-                                           prefix_cache_size=0, arm=config, mode=mode)
+                                           prefix_cache_size=0, arm=config, mode=mode,
+                                           compile=compile)
             outputs = [c.output_ids for c in engine.generate(reqs)]
         finally:
             disarm()
@@ -65,11 +66,29 @@ def run(tmp_path: Path) -> Iterator[Run]:
     yield go
 
 
+@pytest.fixture
+def queued(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many steps queued their buffer to the host at the device wait (the path a
+    replayed step takes: :meth:`CompiledTap.queue`), counted around the real method."""
+    from enginetap.tap.record.compiled import CompiledTap
+
+    calls: list[int] = []
+    original = CompiledTap.queue
+
+    def counted(self: CompiledTap, extra: list[torch.Tensor]) -> None:
+        calls.append(len(extra))
+        original(self, extra)
+
+    monkeypatch.setattr(CompiledTap, "queue", counted)
+    return calls
+
+
 @cuda
 def test_graphs_mode_records_every_sublayer_checkpoint_and_diffs_against_eager(
-        run: Run) -> None:
+        run: Run, queued: list[int]) -> None:
     eager_tokens, eager, _ = run("eager")
     tokens, graphs, engine = run("graphs")
+    assert queued == [1] * 6  # every step's buffer and sampler values queued at the wait
     disarmed, _, _ = run("graphs", armed=False)
     assert eager is not None and graphs is not None
     assert tokens == disarmed  # instrumentation never changes outputs
@@ -86,6 +105,7 @@ def test_graphs_mode_records_every_sublayer_checkpoint_and_diffs_against_eager(
         assert [r["key"] for r in sb.rows] == [r["key"] for r in sa.rows]  # no padding row
         assert all(len(h) == len(sb.rows) for h in sb.hashes)
         assert len(sb.sampler) == len(sa.sampler)
+        assert [r["argmax"] for r in sb.sampler] == [r["argmax"] for r in sa.sampler]
         # L1.in is L0.out's tensor: hashed once, its hashes repeated under both names
         assert sb.hashes[sb.checkpoints.index("L1.in")] == \
             sb.hashes[sb.checkpoints.index("L0.out")] == \
@@ -108,6 +128,42 @@ def test_graphs_mode_records_every_sublayer_checkpoint_and_diffs_against_eager(
         assert sa.hashes[sa.checkpoints.index(name)][ra] == \
             sb.hashes[sb.checkpoints.index(name)][rb]
     print(f"graphs vs eager: first={result.first} by_checkpoint={dict(result.by_checkpoint)}")
+
+
+@cuda
+def test_compile_mode_on_the_device_queues_what_step_end_would_read(
+        run: Run, queued: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile on CUDA (aot_eager): the buffer and the sampler's values reach the
+    host through the copy queued at the device wait, and the records equal those of a
+    run whose step end reads the buffer itself, checkpoint for checkpoint; both name the
+    eager run's checkpoints (less the KV points, not placed) with its tokens."""
+    from enginetap.tap.record.compiled import CompiledTap
+
+    eager_tokens, eager, _ = run("eager")
+    torch._dynamo.reset()
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(CompiledTap, "queue", lambda self, extra: None)
+            read_tokens, read, _ = run("eager", compile="aot_eager")
+        assert queued == []
+        torch._dynamo.reset()
+        tokens, compiled, _ = run("eager", compile="aot_eager")
+    finally:
+        torch._dynamo.reset()
+    assert eager is not None and read is not None and compiled is not None
+    assert len(queued) == 6  # every step's
+    assert tokens == read_tokens == eager_tokens
+    assert compiled.header["compiled"] == "torch.compile"
+    steps = zip(eager.rank(0).steps, read.rank(0).steps, compiled.rank(0).steps, strict=True)
+    for sa, sr, sb in steps:
+        assert sb.checkpoints == sr.checkpoints == [c for c in sa.checkpoints
+                                                    if c not in KV_POINTS]
+        assert sb.hashes == sr.hashes
+        assert sb.sampler == sr.sampler
+        assert [r["argmax"] for r in sb.sampler] == [r["argmax"] for r in sa.sampler]
+    (result,) = diff_runs(eager, compiled)
+    assert result.rows_compared > 0
+    print(f"compile (aot_eager, CUDA) vs eager: first={result.first}")
 
 
 def _plant(monkeypatch: pytest.MonkeyPatch, hook: Any, where: Callable[[HFEngine], Any]

@@ -245,14 +245,16 @@ class HFEngine:
             extra["cuda_graph"] = padded  # its padding rows run, never as requests
             self._graphs.ready(padded)
         valid = ready = None
-        if self.arming is not None:  # valid lengths cost a read of the mask: armed only
-            valid = read_valid_lengths(plan.attention_mask, columns)
-            if valid.is_pinned():
-                ready = torch.cuda.Event()
-                ready.record()
         step = Step(ENGINE, self._steps, mode, plan.rows, padded_tokens=padded, extra=extra)
         with publish(step):
             logits, cache = self._forward(plan, past, extra.get("cuda_graph"))
+            if self.arming is not None:  # valid lengths cost a read of the mask: armed only
+                # (read once the forward is queued: on a GPU the reads queue behind it
+                # rather than delay it; the forward does not write the mask)
+                valid = read_valid_lengths(plan.attention_mask, columns)
+                if valid.is_pinned():
+                    ready = torch.cuda.Event()
+                    ready.record()
             if mode == "prefill":
                 self._remember_prompts(seqs, cache, reused, plan.input_ids.shape[1])
             if self.device.type == "cuda":  # sampling blocks for the forward: listeners'

@@ -35,7 +35,7 @@ header says which (``not_placed``).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -48,7 +48,7 @@ from enginetap.tap.record.rowhash import fused_hash
 if TYPE_CHECKING:
     from enginetap.tap.record.arming import TapInstall
 
-__all__ = ["CompiledTap", "tap_hash_rows", "tap_hash_rows_fixed"]
+__all__ = ["CompiledTap", "Queued", "tap_hash_rows", "tap_hash_rows_fixed"]
 
 logger = logging.getLogger("enginetap.tap")
 
@@ -157,10 +157,15 @@ class CompiledTap:
         per-layer launches read (see :meth:`flush`)."""
         self._captured: list[list[int]] = []
         """The table entries of the graph being captured, in launch order."""
-        self._filled: dict[int, torch.Tensor] = {}
+        self._filled: dict[int, list[int]] = {}
         """Graphs mode, by captured padded row count: the rows its static index holds."""
         self._alias_index: tuple[dict[int, int], Any, Any] = ({}, None, None)
         """:attr:`alias` as index tensors (made again when it changes)."""
+        self.queued: Queued | None = None
+        """The step's buffer and sampler values on their way to the host (:meth:`queue`)."""
+        self._zeroed = False
+        """The buffer was zeroed behind the last queued copy and nothing wrote it since
+        (the next step's begin launches no zeroing)."""
 
     def header(self) -> dict[str, Any]:
         """What the tap file's header says of this mode."""
@@ -302,6 +307,7 @@ class CompiledTap:
         """A CUDA graph of ``padded`` token rows is about to be captured (None: capture
         over): its hooks read that shape's static index tensor."""
         self._last = (None, -1)
+        self._zeroed = False  # a capture's warm-up run writes the buffer
         if padded is None:
             if self._captured:  # the capture is over: its launches' table, once
                 table = self.tables[self.padded]
@@ -321,23 +327,26 @@ class CompiledTap:
             self._filled.pop(padded, None)
         self.index, self.padded = index, padded
 
-    def begin(self, padded: int, index: torch.Tensor) -> None:
-        """Before the forward: the step's tapped rows, and every slot unwritten. The
-        index tensor is refilled in place where its size allows (the compiled graph
-        reads it as an input; a captured graph, the static tensor of its shape)."""
-        self.buffer.zero_()  # flags unwritten; the fused kernel adds into its slots
+    def begin(self, padded: int, token_index: list[int]) -> None:
+        """Before the forward: the step's tapped rows (their token indices), and every
+        slot unwritten. The index tensor is refilled in place where its size allows (the
+        compiled graph reads it as an input; a captured graph, the static tensor of its
+        shape, refilled only when the rows changed: a batch's decode steps keep them)."""
+        if not self._zeroed:  # flags unwritten; the fused kernel adds into its slots
+            self.buffer.zero_()
+        self._zeroed = False
+        self.queued = None
         self._last = (None, -1)
         static = self.static.get(padded) if self.mode == "cuda graphs" else None
         if static is not None:
-            rows = index.to(torch.int64)[:static.numel()]
-            if rows.numel() < static.numel():
-                rows = torch.cat([rows, rows[:1].expand(static.numel() - rows.numel())])
-            if not torch.equal(self._filled.get(padded, rows[:0]), rows):
-                static.copy_(rows, non_blocking=True)  # (a batch's decode steps: the same)
+            rows = token_index[:static.numel()]
+            rows = rows + rows[:1] * (static.numel() - len(rows))
+            if self._filled.get(padded) != rows:
+                static.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
                 self._filled[padded] = rows
             self.index, self.padded = static, padded
             return
-        values = index.to("cpu", torch.int64)
+        values = torch.tensor(token_index, dtype=torch.int64)
         self.padded = padded
         if self.mode != "torch.compile":  # an eager step of the graphs mode: a fresh one
             self.index = values.to(self.buffer.device)
@@ -348,19 +357,74 @@ class CompiledTap:
         else:
             self.index = values.to(self.buffer.device)
 
-    def collect(self, k: int) -> tuple[list[str], torch.Tensor]:
-        """After the forward: the names written this step in execution order, and their
-        ``[names, k]`` hashes on the host."""
-        host = self.buffer[:len(self.order)].cpu()
-        if self.alias:  # (index tensors: indexing by a list of ints costs milliseconds)
-            if self._alias_index[0] != self.alias:
-                self._alias_index = (dict(self.alias), torch.tensor(list(self.alias)),
-                                     torch.tensor(list(self.alias.values())))
-            _, to, source = self._alias_index
-            host.index_copy_(0, to, host.index_select(0, source))
-        flags = host[:, -1]
-        if bool(flags.all()):  # every slot written (the usual step): no selection
-            return list(self.order), host[:, :k].contiguous()
-        written = flags.nonzero().flatten()
-        return ([self.order[i] for i in written.tolist()],
-                host.index_select(0, written)[:, :k].contiguous())
+    def queue(self, extra: list[torch.Tensor]) -> None:
+        """At the device wait of a step on CUDA (its replay or compiled forward and the
+        sampler's top-2 queued, the host about to block for the sampled tokens): queue the
+        buffer and ``extra`` (the sampler's values, int64) into pinned host memory behind
+        them, then zero the buffer for the next step. Step end then reads values that have
+        landed, and the next step's begin launches nothing: no transfer, wait or launch of
+        the tap's is left between the engine's sampling and its next replay."""
+        n = min(len(self.order), self.buffer.shape[0])
+        flat = torch.cat([self.buffer[:n].flatten(), *extra])
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.buffer.zero_()
+        self._zeroed = True
+        self.queued = Queued(event, host, self.order[:n], self._alias_tensors(), len(extra))
+
+    def collect(self, k: int, queued: Queued | None = None
+                ) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
+        """After the forward: the names written this step in execution order, their
+        ``[names, k]`` hashes on the host, and the sampler values queued with them
+        (``queued``, from :meth:`queue`; None: the buffer is read now, no sampler values)."""
+        if queued is None:
+            n = min(len(self.order), self.buffer.shape[0])
+            names, hashes = _written(self.buffer[:n].cpu(), self.order[:n],
+                                     self._alias_tensors(), k)
+            return names, hashes, None
+        queued.event.synchronize()
+        width, n = self.buffer.shape[1], len(queued.order)
+        table = queued.host[:n * width].view(n, width)
+        names, hashes = _written(table, queued.order, queued.alias, k)
+        return names, hashes, queued.host[n * width:]
+
+    def _alias_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:attr:`alias` as (slots, their sources) index tensors, None without aliases
+        (indexing by a list of ints costs milliseconds)."""
+        if not self.alias:
+            return None
+        if self._alias_index[0] != self.alias:
+            self._alias_index = (dict(self.alias), torch.tensor(list(self.alias)),
+                                 torch.tensor(list(self.alias.values())))
+        return self._alias_index[1], self._alias_index[2]
+
+
+class Queued(NamedTuple):
+    """A step's buffer and sampler values queued to the host (:meth:`CompiledTap.queue`):
+    the copy's event, the pinned tensor (buffer rows, then the sampler's words), the
+    names of the buffer's slots then, its aliases, and how many sampler tensors follow."""
+
+    event: Any
+    host: torch.Tensor
+    order: list[str]
+    alias: tuple[torch.Tensor, torch.Tensor] | None
+    extras: int
+
+
+def _written(host: torch.Tensor, order: list[str],
+             alias: tuple[torch.Tensor, torch.Tensor] | None, k: int
+             ) -> tuple[list[str], torch.Tensor]:
+    """Of a host copy of the buffer's slots (``order``'s names): the names written this
+    step in execution order and their ``[names, k]`` hashes, the aliased slots' copied
+    from the slots they repeat."""
+    if alias is not None:  # (out of place: a copy made in inference mode is read outside)
+        to, source = alias
+        host = host.index_copy(0, to, host.index_select(0, source))
+    flags = host[:, -1]
+    if bool(flags.all()):  # every slot written (the usual step): no selection
+        return list(order), host[:, :k].contiguous()
+    written = flags.nonzero().flatten()
+    return ([order[i] for i in written.tolist()],
+            host.index_select(0, written)[:, :k].contiguous())

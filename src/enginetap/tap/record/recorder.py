@@ -132,8 +132,7 @@ class TapRecorder(RecorderCalls):
             ledger.quick = True
             self.quick_count += 1
         if self.compiled is not None and self.live:
-            self.compiled.begin(ledger.padded,
-                                torch.tensor(ledger.token_index, dtype=torch.int64))
+            self.compiled.begin(ledger.padded, ledger.token_index)
 
     def wrapper_failed(self, exc: Exception) -> None:
         """A tap wrapper caught ``exc`` of its own (the engine's call went on): counted,
@@ -145,10 +144,16 @@ class TapRecorder(RecorderCalls):
 
     def waiting(self, step: Step) -> None:
         """The engine waits for the device in ``step``: examine a quick step's
-        checkpoints, and write the last step's record now rather than at this step's end
-        (see :mod:`enginetap.core.sink`)."""
+        checkpoints, queue a compiled tap's buffer to the host behind the step's work
+        (:meth:`.CompiledTap.queue`), and write the last step's record now rather than at
+        this step's end (see :mod:`enginetap.core.sink`)."""
         if self.quick is not None and self.step is step:
             self.settle()
+        compiled = self.compiled
+        if compiled is not None and self.step is step and compiled.buffer.is_cuda \
+                and self.vectors is None and compiled.queued is None \
+                and all(d == compiled.buffer.device for d, _ in self.ledger.sampler):
+            compiled.queue([p.flatten() for _, p in self.ledger.sampler])
         self.sink.pump()
 
     def settle(self) -> None:

@@ -78,18 +78,25 @@ class Transfer:
         gone = set(dropped)
         order = [name for _, name in ledger.names if name not in gone] if gone else \
             list(map(_NAME, ledger.names))
-        if compiled is not None:  # hashed in the graph: one read of its buffer
-            names, hashes = compiled.collect(k)
-            order = names + order
-            host.append((names, hashes.flatten(), 0))
         head = {"kind": "step", "mode": step.mode, "engine": step.engine, "rows": ledger.rows,
                 "checkpoints": order, "sampled": dict(step.sampled)}
         dropped += ledger.late_dropped
         if dropped:
             head["dropped"] = dropped
+        sampler = ledger.sampler
+        if compiled is not None:  # hashed in the graph: one read of its buffer
+            queued, compiled.queued = compiled.queued, None
+            if queued is not None:  # on its way since the device wait (with the sampler's)
+                sampler = sampler[queued.extras:]
+                if not launched and not sampler and self.vectors is None:
+                    return self._landed(compiled, queued, head, k)
+            names, hashes, extra = compiled.collect(k, queued)
+            head["checkpoints"] = names + order
+            host.append((names, hashes.flatten() if extra is None else
+                         torch.cat([hashes.flatten(), extra]), queued.extras if queued else 0))
         if (self.vectors is None and launched and compiled is None
                 and all(d.type == "cuda" for d, *_ in launched)
-                and all(d in by_device for d, _ in ledger.sampler)):
+                and all(d in by_device for d, _ in sampler)):
             return self._later(launched, head, k, checkpointer)
         self.apply_flags()
         # The previous step's record is written now, while the device finishes this step.
@@ -105,8 +112,25 @@ class Transfer:
             if self.vectors is not None:
                 self.vectors.maybe_dump(step.step, ledger.rows, names,
                                         checkpointer.staging[device], flat[:len(names) * k])
-        host += [([], p.flatten().cpu(), 1) for d, p in ledger.sampler if d not in by_device]
+        host += [([], p.flatten().cpu(), 1) for d, p in sampler if d not in by_device]
         return lambda: _format(head, host, k)
+
+    def _landed(self, compiled: Any, queued: Any, head: dict[str, Any], k: int) -> Any:
+        """A compiled or graph-replayed step whose buffer and sampler values were queued to
+        the host at the device wait (:meth:`.CompiledTap.queue`) and that has nothing else
+        to bring: the record is made from them when it is written (off the step's path,
+        the copy long landed)."""
+        self.apply_flags()
+        self.sink.pump()
+        order = head["checkpoints"]
+
+        def make() -> dict[str, Any]:
+            names, hashes, extra = compiled.collect(k, queued)
+            head["checkpoints"] = names + order
+            return _format(head, [(names, torch.cat([hashes.flatten(), extra]),
+                                   queued.extras)], k)
+
+        return make
 
     def _later(self, launched: list[Launched], head: dict[str, Any], k: int,
                checkpointer: Checkpointer) -> Any:
