@@ -1,12 +1,13 @@
 """Run by test_kv_in_place.py in a child with TRITON_INTERPRET=1 (Triton's interpreter runs
 the deferred hash kernel on the CPU): the built-in engine's default tap, where a decode
 step's KV points are its cache columns hashed in place at step end, once clean and once
-with r2's newest layer-0 key copied into r0's row after step ``AT`` sampled (still inside
-it, :func:`conftest.overwrite_between_steps`).
+with r2's newest key of layer ``LAYER`` (default 0) copied into r0's row after step ``AT``
+sampled (still inside it, :func:`conftest.overwrite_between_steps`).
 
-``kv_fault_run.py OUT_DIR AT NEW_TOKENS`` writes the runs to ``OUT_DIR/clean`` and
-``OUT_DIR/faulted`` and prints one JSON line: each run's tokens, quick steps and the
-checkpoint names demoted from the deferred path."""
+``kv_fault_run.py OUT_DIR AT NEW_TOKENS [LAYER]`` writes the runs to ``OUT_DIR/clean`` and
+``OUT_DIR/faulted`` and prints one JSON line: each run's tokens, quick steps, the
+checkpoint names demoted from the deferred path and the layers whose KV points took the
+settled path (``CachePoints._kv_settled``: a step's layers after its first)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ SAME = ["the cache holds every key", "the cache holds every key", "kernels and c
 
 
 def run(out: Path, new_tokens: int) -> dict[str, Any]:
+    from enginetap.engines.hf.tap import CachePoints
+
+    settled: list[int] = []
+    original = CachePoints._kv_settled
+
+    def counted(self: CachePoints, *args: Any) -> bool:
+        took = original(self, *args)
+        settled.append(int(took))
+        return took
+
+    CachePoints._kv_settled = counted  # type: ignore[method-assign]
+    try:
+        return _run(out, new_tokens) | {"settled": sum(settled)}
+    finally:
+        CachePoints._kv_settled = original  # type: ignore[method-assign]
+
+
+def _run(out: Path, new_tokens: int) -> dict[str, Any]:
     config = ArmConfig(enabled=True, capabilities=["tap"], out_dir=out,
                        options={"step": {"record": False}})
     try:
@@ -46,13 +65,17 @@ def run(out: Path, new_tokens: int) -> dict[str, Any]:
         close_all()
 
 
+LAYER = [0]
+
+
 def write(cache: Any) -> None:
-    keys = cache.layers[0].keys
+    keys = cache.layers[LAYER[0]].keys
     keys[0, :, -1].copy_(keys[2, :, -1])  # r2's newest key lands in r0's row
 
 
 def main() -> None:
     out, at, new_tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    LAYER[0] = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     assert kernels.available(torch.zeros(1)), "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)
     found = {"clean": run(out / "clean", new_tokens)}

@@ -27,11 +27,11 @@ from .conftest import named_first
 pytest.importorskip("triton", reason="Triton is not installed")
 
 
-def faulted_runs(out: Path, at: int, new_tokens: int) -> dict[str, Any]:
+def faulted_runs(out: Path, at: int, new_tokens: int, layer: int = 0) -> dict[str, Any]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # the deferred path on the CPU
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("kv_fault_run.py")),
-                           str(out), str(at), str(new_tokens)], env=env, capture_output=True,
-                          text=True, timeout=600)
+                           str(out), str(at), str(new_tokens), str(layer)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -62,6 +62,15 @@ def test_an_overwritten_kv_row_in_a_quick_step_is_named_by_a_diff(tmp_path: Path
     assert found["faulted"]["demoted"] == []
     clean, faulted = load_run(tmp_path / "clean"), load_run(tmp_path / "faulted")
     named_first(clean, faulted, ("r0", 4, "L0.attn.kv_written"), "L0.attn.out")
+
+
+def test_an_overwritten_kv_row_of_a_settled_layer_is_named_by_a_diff(tmp_path: Path) -> None:
+    # in steps that verify nothing in full, layer 1's points take the settled path (the
+    # checks it shares with layer 0 made once per step): the same bytes, the same names
+    found = faulted_runs(tmp_path, at=4, new_tokens=7, layer=1)
+    assert found["clean"]["settled"] == found["faulted"]["settled"] > 0
+    clean, faulted = load_run(tmp_path / "clean"), load_run(tmp_path / "faulted")
+    named_first(clean, faulted, ("r0", 4, "L1.attn.kv_written"), "L1.attn.out")
 
 
 def test_a_cache_column_written_through_a_version_counter_is_dropped() -> None:

@@ -25,14 +25,15 @@ the points' tensors; otherwise they are concatenated into staging slots.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 
 from enginetap.core.scope import SCOPE, sublayer_targets
 from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record import TapRecorder, kernels
-from enginetap.tap.record.deferred import cache_layout
+from enginetap.tap.record.deferred import CacheColumns, DeferredHashes, cache_layout
 from enginetap.tap.record.points import sublayer_wrapper
 
 __all__ = ["CachePoints", "tap_points"]
@@ -71,6 +72,8 @@ class CachePoints:
         self._step: Any = None
         self._index: dict[tuple[Any, ...], torch.Tensor] = {}
         self._deferring: dict[torch.device, bool] = {}
+        self._settled: _Settled | None = None
+        """The step's settled KV path (:meth:`_kv_settled`), made at its first layer."""
 
     def before(self, name: str, kind: str, module: Any, hidden: Any, kwargs: dict) -> None:
         if kind == "gdn":
@@ -111,6 +114,10 @@ class CachePoints:
 
     def _kv(self, points: _Points, hidden: Any, kwargs: dict) -> None:
         recorder = self.recorder
+        settled = self._settled
+        if settled is not None and settled.step is recorder.step \
+                and self._kv_settled(settled, points, kwargs):
+            return
         layer = _cache_layer(kwargs.get("past_key_values"), points.layer_idx, hidden, recorder)
         if layer is None:
             return
@@ -124,6 +131,8 @@ class CachePoints:
         whole = rows == recorder.padded and self._defers(keys)
         if whole and columns == 1 and cache_layout(keys, values):
             self._kv_in_place(points, keys, values, rows)
+            if settled is None or settled.step is not recorder.step:
+                self._settle(kwargs.get("past_key_values"), points, keys, rows)
             return
         k, v = self._gather(keys, values, range(rows) if whole else recorder.token_index,
                             columns, whole)
@@ -163,6 +172,55 @@ class CachePoints:
             for i, slot in fill:
                 torch.cat([k[i], v[i]], 1, out=slot)
 
+    def _settle(self, cache: Any, points: _Points, keys: torch.Tensor, rows: int) -> None:
+        """After a layer's columns were kept in place: the step's later layers whose cache
+        pair has this one's shape, dtype and strides take :meth:`_kv_settled`, where the
+        device defers, the points are recorded (not refused under tracing or capture)
+        and this step verifies nothing in full (else none do)."""
+        recorder = self.recorder
+        checkpointer = recorder.checkpointer
+        deferred = checkpointer.fast.get(keys.get_device())
+        self._settled = None if deferred is None or deferred.full or cache is None \
+            or not checkpointer.allowed(points.kv[0]) else _Settled(
+                recorder.step, weakref.ref(cache), keys.shape, keys.dtype,
+                CacheColumns.of(keys, rows), deferred, keys.device)
+
+    def _kv_settled(self, settled: _Settled, points: _Points, kwargs: dict) -> bool:
+        """:meth:`_kv_in_place` for a layer of a step whose first kept layer made
+        ``settled``, with the checks it shares with that layer made once: the same cache,
+        a pair of the same layout, both names settled (verified as often as asked, not
+        demoted, not yet seen this step) and the budget not spent. False (nothing done)
+        where any of that fails: the caller takes the checked path."""
+        cache = kwargs.get("past_key_values")
+        layers = getattr(cache, "layers", None)
+        index = points.layer_idx
+        if cache is None or settled.cache() is not cache or index is None \
+                or layers is None or index >= len(layers):
+            return False
+        layer = layers[index]
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            return False
+        shape, stride, dtype = settled.shape, settled.layout.stride, settled.dtype
+        if keys.shape != shape or values.shape != shape or keys.stride() != stride \
+                or values.stride() != stride or keys.dtype != dtype or values.dtype != dtype \
+                or (keys.data_ptr() | values.data_ptr()) % 4:
+            return False
+        written, previous = names = points.kv
+        deferred, ledger = settled.deferred, self.recorder.ledger
+        counts = ledger.counts
+        if written in counts or previous in counts or not deferred.settled(written) \
+                or not deferred.settled(previous) or written in deferred.demoted \
+                or previous in deferred.demoted:
+            return False
+        slots = deferred.keep_settled_columns(names, keys, values, settled.layout, shape[2])
+        if slots is None:
+            return False
+        counts[written] = counts[previous] = 1
+        ledger.record(settled.device, written, -1 - slots[0])
+        ledger.record(settled.device, previous, -1 - slots[1])
+        return True
+
     def _gather(self, keys: torch.Tensor, values: torch.Tensor, tokens: Sequence[int],
                 columns: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value heads of the rows ``tokens`` at their written and previous
@@ -192,6 +250,19 @@ class CachePoints:
             slot = recorder.request_slot(point, state.dtype, state[0].numel(), state.device)
             if slot is not None:
                 torch.index_select(state.reshape(state.shape[0], -1), 0, batch, out=slot)
+
+
+class _Settled(NamedTuple):
+    """What a step's later layers share with its first layer kept in place
+    (:meth:`CachePoints._settle`)."""
+
+    step: Any
+    cache: Callable[[], Any]
+    shape: torch.Size
+    dtype: torch.dtype
+    layout: CacheColumns
+    deferred: DeferredHashes
+    device: torch.device
 
 
 class _Points:

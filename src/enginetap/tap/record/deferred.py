@@ -49,6 +49,7 @@ import logging
 import operator
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +70,28 @@ def cache_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
     # x * size is a multiple of 4 for each x exactly when it is for their bitwise or
     return not ((stride[0] | stride[1] | stride[2] | keys.shape[3]) * keys.element_size() % 4
                 or (keys.data_ptr() | values.data_ptr()) % 4)
+
+
+class CacheColumns(NamedTuple):
+    """A ``[batch, heads, length, dim]`` key and value cache pair's layout as
+    :meth:`DeferredHashes.keep_cache` keeps its columns (``rows`` batch rows): the
+    strides (elements), one column's offset (bytes), the row stride, head width and
+    head stride (32-bit words), the heads, and the bytes a column's rows hold."""
+
+    stride: tuple[int, ...]
+    at: int
+    row: int
+    width: int
+    apart: int
+    heads: int
+    nbytes: int
+
+    @staticmethod
+    def of(keys: torch.Tensor, rows: int) -> CacheColumns:
+        _, heads, _, dim = keys.shape
+        size, stride = keys.element_size(), keys.stride()
+        return CacheColumns(stride, stride[2] * size, stride[0] * size // 4, dim * size // 4,
+                            stride[1] * size // 4, heads, rows * 2 * heads * dim * size)
 
 
 @dataclass
@@ -227,6 +250,35 @@ class DeferredHashes:
             self.pieces[slot] = (heads, apart, vkept + column * at, values, vversion)
             slots.append(slot)
         return slots
+
+    def keep_settled_columns(self, names: tuple[str, str], keys: torch.Tensor,
+                             values: torch.Tensor, layout: CacheColumns, length: int
+                             ) -> tuple[int, int] | None:
+        """:meth:`keep_cache` of a layer's written (``length - 1``) and previous column
+        where nothing about them needs a decision this step: ``layout`` is the step's
+        first cache pair's, which ``keys`` and ``values`` share; neither name is demoted
+        or due for verification (the caller checked both with :meth:`settled`). The
+        slots, or None where the budget is spent (nothing kept: the caller takes
+        :meth:`keep_cache`'s path)."""
+        nbytes = layout.nbytes
+        if self.held + 2 * nbytes > self.budget:
+            return None
+        self.spent = False
+        self.held += 2 * nbytes
+        at, kept, vkept = layout.at, keys.data_ptr(), values.data_ptr()
+        vversion = None if values.is_inference() else values._version
+        if vversion is not None:
+            self.counted_values = True
+        first = self._append(names[0], keys, kept + (length - 1) * at, layout.row,
+                             layout.width)
+        second = self._append(names[1], keys, kept + max(length - 2, 0) * at, layout.row,
+                              layout.width)
+        pieces = self.pieces
+        pieces[first] = (layout.heads, layout.apart, vkept + (length - 1) * at, values,
+                         vversion)
+        pieces[second] = (layout.heads, layout.apart, vkept + max(length - 2, 0) * at,
+                          values, vversion)
+        return first, second
 
     def _append(self, name: str, tensor: torch.Tensor, address: int, stride: int,
                 width: int) -> int:
