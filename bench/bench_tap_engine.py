@@ -16,6 +16,8 @@ rotated each round) so that machine noise hits all alike:
 - ``tap-at-call``: the default tap with the recorder's quick steps off (every checkpoint
   examined at its call; on a GPU the quick steps list a settled step's checkpoints and
   examine them at the device wait): whether that machinery pays;
+- ``tap-no-plan``: the default tap whose quick steps make no plan (each settled step's
+  list examined one by one, never kept whole as the last one's plan): whether plans pay;
 - ``tap-no-sampler``, ``tap-no-kv``: the default tap without the sampler's top-2, or
   without the KV points (what each costs);
 - ``tap-gather``: the default tap with ``defer=False``: every checkpoint's rows gathered
@@ -46,6 +48,7 @@ cProfile (thread CPU time) and prints where its host time went.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import ctypes
 import gc
@@ -55,6 +58,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +74,7 @@ from enginetap.engines.hf.targets import SUBLAYERS
 from enginetap.tap.record.fingerprint import word_weights
 
 VARIANTS = ("disarmed", "tap", "tap-kv-staged", "tap-fp", "tap-at-call", "tap-gather",
-            "tap-no-sampler", "tap-no-kv", "seed-002", "hooks")
+            "tap-no-sampler", "tap-no-kv", "tap-no-plan", "seed-002", "hooks")
 OPTIONS: dict[str, dict[str, Any]] = {
     "tap-fp": {"continuity": False, "sampler": False}, "tap-gather": {"defer": False},
     "tap-no-sampler": {"sampler": False}, "tap-no-kv": {"continuity": False}}
@@ -388,7 +392,8 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
         gc.collect()
         if profile is not None:
             profile.enable()
-        engine.generate(reqs)
+        with no_plans(name == "tap-no-plan"):
+            engine.generate(reqs)
         if profile is not None:
             profile.disable()
         if engine.arming is not None:
@@ -408,6 +413,22 @@ def run_variant(name: str, model: Any, reqs: list[Request], out: Path, rows: int
         disarm()
         close_all()
     return info
+
+
+@contextlib.contextmanager
+def no_plans(active: bool) -> Iterator[None]:
+    """While ``active``: the recorder's quick steps make no plan (``tap-no-plan``)."""
+    from enginetap.tap.record.quick import QuickPlan
+
+    if not active:
+        yield
+        return
+    make = QuickPlan.__dict__["make"]
+    QuickPlan.make = staticmethod(lambda *args, **kwargs: None)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        QuickPlan.make = make  # type: ignore[method-assign]
 
 
 class Paired:
@@ -542,7 +563,8 @@ def run_paired(name: str, model: Any, reqs: list[Request], out: Path, rows: int,
             seed.install()
         paired = Paired(engine, seed, rng)
         gc.collect()
-        engine.generate(reqs)
+        with no_plans(name == "tap-no-plan"):
+            engine.generate(reqs)
         recorder = paired.recorder
         count = recorder.last_checkpoints if recorder is not None else seed.checkpoints
         return paired.pairs(), count

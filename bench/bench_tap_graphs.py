@@ -19,7 +19,8 @@ batch and variant the median over rounds of the per-call median step, the spread
 (min-max of those) and the tap's overhead; the tokens of the tap and disarmed calls of
 the same round are compared, and each disarmed call's with the first round's (whether
 the engine itself repeats its tokens run to run at this batch). The device time of
-each replay (CUDA events around it) splits the tap's cost into device and host.
+each replay (CUDA events around it) splits the tap's cost into device and host; ``--breakdown`` times the tap's host parts in one more
+call per batch.
 """
 
 from __future__ import annotations
@@ -96,6 +97,48 @@ class ReplayTimer:
 
 TIMER: ReplayTimer | None = None
 
+PARTS: dict[str, float] = {}
+"""``--breakdown``: wall seconds of each timed part over the decode steps of one call."""
+DECODE = [False]
+
+
+def _decode(step: Step) -> None:
+    DECODE[0] = step.mode == "decode"
+
+
+def breakdown_on() -> list[tuple[Any, str, Any]]:
+    """Time (wall, decode steps only) the tap's parts in graphs mode: the recorder's step
+    begin (rows picked, the static index checked), the LM head's sampler hook, the device
+    wait (the buffer queued, the last record written), the step end; and the engine's
+    armed-only valid-length read and fill. Returns what to undo."""
+    from enginetap.engines.hf import engine as hf_engine
+    from enginetap.tap.record.compiled import CompiledTap
+    from enginetap.tap.record.recorder import TapRecorder
+
+    undo = []
+    for owner, attr, label in ((TapRecorder, "begin", "step begin"),
+                               (TapRecorder, "end", "step end"),
+                               (TapRecorder, "waiting", "device wait"),
+                               (CompiledTap, "queue", "queue (in the wait)"),
+                               (CompiledTap, "_head_hook", "sampler hook"),
+                               (hf_engine, "fill_valid_lengths", "valid lengths filled"),
+                               (hf_engine, "read_valid_lengths", "valid lengths read")):
+        original = getattr(owner, attr)
+        undo.append((owner, attr, original))
+
+        def timed(*args: Any, _original: Any = original, _label: str = label,
+                  **kwargs: Any) -> Any:
+            if not DECODE[0]:
+                return _original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                PARTS[_label] = PARTS.get(_label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+    return undo
+
 
 def one_call(model: Any, prompts: list[list[int]], steps: int, armed: bool,
              out: Path) -> tuple[float, float, list[list[int]]]:
@@ -128,6 +171,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="one more tap call per batch with the tap's parts timed")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     model = build(args.hidden, args.layers, "cuda")
@@ -173,6 +218,21 @@ def main() -> None:
                   f"({r_on - r_off:+.3f} ms), "
                   f"tokens tap==disarmed per round {same}, disarmed==its round 0 {repeat}",
                   flush=True)
+            if args.breakdown:
+                undo = breakdown_on()
+                PARTS.clear()
+                subscribe(on_begin=_decode)
+                try:
+                    one_call(model, prompts.tolist(), args.steps, True, Path(tmp) / f"{batch}-b")
+                finally:
+                    unsubscribe(_decode)
+                    for owner, attr, original in undo:
+                        setattr(owner, attr, original)
+                steps = args.steps - 1  # decode steps (the prefill gives the first token)
+                parts = ", ".join(f"{k} {v / steps * 1e6:.0f}" for k, v in PARTS.items())
+                print(f"batch {batch}, where the tap's host time goes (one more call, wall, "
+                      f"us per decode step; the wait's own work overlaps the replay): {parts}",
+                      flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -24,8 +24,8 @@ the points' tensors; otherwise they are concatenated into staging slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
