@@ -188,7 +188,7 @@ class CachePoints:
     def _kv_settled(self, settled: _Settled, points: _Points, kwargs: dict) -> bool:
         """:meth:`_kv_in_place` for a layer of a step whose first kept layer made
         ``settled``, with the checks it shares with that layer made once: the same cache,
-        a pair of the same layout, both names settled (verified as often as asked, not
+        a pair of the same layout on the same device, both names settled (verified as often as asked, not
         demoted, not yet seen this step) and the budget not spent. False (nothing done)
         where any of that fails: the caller takes the checked path."""
         cache = kwargs.get("past_key_values")
@@ -204,6 +204,7 @@ class CachePoints:
         shape, stride, dtype = settled.shape, settled.layout.stride, settled.dtype
         if keys.shape != shape or values.shape != shape or keys.stride() != stride \
                 or values.stride() != stride or keys.dtype != dtype or values.dtype != dtype \
+                or keys.device != settled.device or values.device != settled.device \
                 or (keys.data_ptr() | values.data_ptr()) % 4:
             return False
         written, previous = names = points.kv

@@ -369,7 +369,7 @@ class CompiledTap:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.buffer.device))
         self.buffer.zero_()
         self._zeroed = True
         self.queued = Queued(event, host, self.order[:n], self._alias_tensors(), len(extra))
