@@ -74,6 +74,8 @@ class TapRecorder(RecorderCalls):
         """A compiled engine's checkpoints (:class:`~enginetap.tap.record.compiled.CompiledTap`),
         hashed in the graph and collected at step end."""
         self.ledger = StepLedger()
+        self._picked: tuple[Step | None, list[int]] = (None, [])
+        """The last step whose rows :meth:`_pick` chose, and its rows."""
         self.carried: StepLedger | None = None
         """The row lists of the last step whose rows were picked, with their device
         tensors (a step with the same lists keeps them, :meth:`.StepLedger.pick`)."""
@@ -131,8 +133,17 @@ class TapRecorder(RecorderCalls):
             self.quick = ledger.listed = []
             ledger.quick = True
             self.quick_count += 1
-        if self.compiled is not None and self.live:
-            self.compiled.begin(ledger.padded, ledger.token_index)
+        if self.compiled is not None:
+            # Only the tapped rows' token indices are needed before the forward (the
+            # compiled or captured graph reads them); their records are made when first
+            # needed, on CUDA behind the replay (the LM head's hook, the device wait).
+            picked = self._pick(step)
+            if not picked:
+                self._prepare()  # no row: the step records nothing
+            else:
+                tokens = step.rows.token_index
+                self.compiled.begin(ledger.padded, picked if tokens is None
+                                    else [tokens[i] for i in picked])
 
     def wrapper_failed(self, exc: Exception) -> None:
         """A tap wrapper caught ``exc`` of its own (the engine's call went on): counted,
@@ -149,6 +160,8 @@ class TapRecorder(RecorderCalls):
         this step's end (see :mod:`enginetap.core.sink`)."""
         if self.quick is not None and self.step is step:
             self.settle()
+        if self.ledger.pending is step:  # (a compiled step's rows, picked in begin)
+            self._prepare()
         compiled = self.compiled
         if compiled is not None and self.step is step and compiled.buffer.is_cuda \
                 and self.vectors is None and compiled.queued is None \
@@ -171,12 +184,18 @@ class TapRecorder(RecorderCalls):
         step, ledger.pending = ledger.pending, None
         assert step is not None
         prefixes = self.prefixes.update(step)
-        picked = select_rows(step, self.filters, self.options.max_rows)
+        picked = self._pick(step)
         if not picked:
             self.step = None
             return
         ledger.pick(row_records(step, picked, prefixes), self.carried)
         self.checkpointer.rows_picked(ledger)
+
+    def _pick(self, step: Step) -> list[int]:
+        """The rows of ``step`` to tap (:func:`.select_rows`), chosen once per step."""
+        if self._picked[0] is not step:
+            self._picked = (step, select_rows(step, self.filters, self.options.max_rows))
+        return self._picked[1]
 
     def end(self, step: Step) -> None:
         ledger = self.ledger
