@@ -212,23 +212,29 @@ class VLLMCompiledTap:
 
     # -- per step (the recorder calls these) -----------------------------------------
 
-    def begin(self, padded: int, index: torch.Tensor) -> None:
-        """Before the forward: the step's padded token count and tapped rows into the
-        index (in place, one size), every slot unwritten."""
-        rows = index.to("cpu", torch.int64)
+    queued = None
+    """What the recorder's step end reads of a copy queued at the device wait: never here
+    (the buffer is read at step end, :meth:`collect`)."""
+
+    def begin(self, padded: int, token_index: list[int]) -> None:
+        """Before the forward: the step's padded token count and tapped rows (their token
+        indices) into the index (in place, one size), every slot unwritten."""
+        rows = torch.tensor(token_index, dtype=torch.int64)
         self.index.zero_()
         self.index[0] = padded
         self.index[1:1 + rows.numel()] = rows
         self.buffer[:, -1] = 0
         self.kernel[:, -1] = 0
 
-    def collect(self, k: int) -> tuple[list[str], torch.Tensor]:
-        """After the forward: the names written this step in execution order, and their
-        ``[names, k]`` hashes."""
+    def collect(self, k: int, queued: Any = None
+                ) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
+        """After the forward: the names written this step in execution order, their
+        ``[names, k]`` hashes, and no sampler values (``queued`` is always None here:
+        the recorder's interface with :class:`~enginetap.tap.record.compiled.CompiledTap`)."""
         both = torch.cat([self.buffer, self.kernel.flip(0)])  # kernel row r at -1 - r
         names = [n for n in self.order + self.late
                  if -len(self.kernel) <= self.slots[n] < len(self.buffer)]
         rows = torch.tensor([self.slots[n] for n in names], dtype=torch.long)
         picked = both.index_select(0, rows.remainder(both.shape[0]))
         written = picked[:, -1].nonzero().flatten()
-        return [names[i] for i in written.tolist()], picked[written, :k].contiguous()
+        return [names[i] for i in written.tolist()], picked[written, :k].contiguous(), None

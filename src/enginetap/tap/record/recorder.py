@@ -163,7 +163,8 @@ class TapRecorder(RecorderCalls):
         if self.ledger.pending is step:  # (a compiled step's rows, picked in begin)
             self._prepare()
         compiled = self.compiled
-        if compiled is not None and self.step is step and compiled.buffer.is_cuda \
+        if compiled is not None and self.step is step and hasattr(compiled, "queue") \
+                and compiled.buffer.is_cuda \
                 and self.vectors is None and compiled.queued is None \
                 and all(d == compiled.buffer.device for d, _ in self.ledger.sampler):
             compiled.queue([p.flatten() for _, p in self.ledger.sampler])
