@@ -188,9 +188,9 @@ class CachePoints:
     def _kv_settled(self, settled: _Settled, points: _Points, kwargs: dict) -> bool:
         """:meth:`_kv_in_place` for a layer of a step whose first kept layer made
         ``settled``, with the checks it shares with that layer made once: the same cache,
-        a pair of the same layout on the same device, both names settled (verified as often as asked, not
-        demoted, not yet seen this step) and the budget not spent. False (nothing done)
-        where any of that fails: the caller takes the checked path."""
+        a pair of the same layout on the same device, both names settled (verified as
+        often as asked, not demoted, not yet seen this step) and the budget not spent.
+        False (nothing done) where any of that fails: the caller takes the checked path."""
         cache = kwargs.get("past_key_values")
         layers = getattr(cache, "layers", None)
         index = points.layer_idx

@@ -229,26 +229,17 @@ class DeferredHashes:
         slot, or -1 where it must be gathered instead (demoted, or over the byte budget:
         the bytes hashed count, the caches live on). One call for a layer's points: what
         they share is read once."""
-        _, heads, _, dim = keys.shape
-        size = keys.element_size()
-        nbytes = rows * 2 * heads * dim * size
-        stride = keys.stride()
-        at, kept, vkept = stride[2] * size, keys.data_ptr(), values.data_ptr()
-        row, width, apart = stride[0] * size // 4, dim * size // 4, stride[1] * size // 4
-        vversion = None if values.is_inference() else values._version
-        if vversion is not None:
-            self.counted_values = True
+        layout = CacheColumns.of(keys, rows)
+        vversion = self._values_version(values)
         slots = []
         for name, column in zip(names, columns):
-            if name in self.demoted or self.held + nbytes > self.budget:
+            if name in self.demoted or self.held + layout.nbytes > self.budget:
                 self.spent = name not in self.demoted
                 slots.append(-1)
                 continue
             self.spent = False
-            self.held += nbytes
-            slot = self._append(name, keys, kept + column * at, row, width)
-            self.pieces[slot] = (heads, apart, vkept + column * at, values, vversion)
-            slots.append(slot)
+            self.held += layout.nbytes
+            slots.append(self._keep_column(name, keys, values, vversion, layout, column))
         return slots
 
     def keep_settled_columns(self, names: tuple[str, str], keys: torch.Tensor,
@@ -260,25 +251,32 @@ class DeferredHashes:
         or due for verification (the caller checked both with :meth:`settled`). The
         slots, or None where the budget is spent (nothing kept: the caller takes
         :meth:`keep_cache`'s path)."""
-        nbytes = layout.nbytes
-        if self.held + 2 * nbytes > self.budget:
+        if self.held + 2 * layout.nbytes > self.budget:
             return None
         self.spent = False
-        self.held += 2 * nbytes
-        at, kept, vkept = layout.at, keys.data_ptr(), values.data_ptr()
-        vversion = None if values.is_inference() else values._version
-        if vversion is not None:
+        self.held += 2 * layout.nbytes
+        vversion = self._values_version(values)
+        return (self._keep_column(names[0], keys, values, vversion, layout, length - 1),
+                self._keep_column(names[1], keys, values, vversion, layout,
+                                  max(length - 2, 0)))
+
+    def _values_version(self, values: torch.Tensor) -> int | None:
+        """A cache pair's values' version counter (None for inference tensors), noted in
+        :attr:`counted_values`."""
+        version = None if values.is_inference() else values._version
+        if version is not None:
             self.counted_values = True
-        first = self._append(names[0], keys, kept + (length - 1) * at, layout.row,
-                             layout.width)
-        second = self._append(names[1], keys, kept + max(length - 2, 0) * at, layout.row,
-                              layout.width)
-        pieces = self.pieces
-        pieces[first] = (layout.heads, layout.apart, vkept + (length - 1) * at, values,
-                         vversion)
-        pieces[second] = (layout.heads, layout.apart, vkept + max(length - 2, 0) * at,
-                          values, vversion)
-        return first, second
+        return version
+
+    def _keep_column(self, name: str, keys: torch.Tensor, values: torch.Tensor,
+                     vversion: int | None, layout: CacheColumns, column: int) -> int:
+        """Keep ``name`` as column ``column`` of the cache pair (budget and demotion
+        decided by the caller): its slot, with the values as its second piece."""
+        offset = column * layout.at
+        slot = self._append(name, keys, keys.data_ptr() + offset, layout.row, layout.width)
+        self.pieces[slot] = (layout.heads, layout.apart, values.data_ptr() + offset, values,
+                             vversion)
+        return slot
 
     def _append(self, name: str, tensor: torch.Tensor, address: int, stride: int,
                 width: int) -> int:
