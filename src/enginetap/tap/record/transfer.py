@@ -90,10 +90,7 @@ class Transfer:
                 sampler = sampler[queued.extras:]
                 if not launched and not sampler and self.vectors is None:
                     return self._landed(compiled, queued, head, k)
-            names, hashes, extra = compiled.collect(k, queued)
-            head["checkpoints"] = names + order
-            host.append((names, hashes.flatten() if extra is None else
-                         torch.cat([hashes.flatten(), extra]), queued.extras if queued else 0))
+            host.append(_compiled_part(compiled, queued, k, head))
         if (self.vectors is None and launched and compiled is None
                 and all(d.type == "cuda" for d, *_ in launched)
                 and all(d in by_device for d, _ in sampler)):
@@ -122,15 +119,7 @@ class Transfer:
         the copy long landed)."""
         self.apply_flags()
         self.sink.pump()
-        order = head["checkpoints"]
-
-        def make() -> dict[str, Any]:
-            names, hashes, extra = compiled.collect(k, queued)
-            head["checkpoints"] = names + order
-            return _format(head, [(names, torch.cat([hashes.flatten(), extra]),
-                                   queued.extras)], k)
-
-        return make
+        return lambda: _format(head, [_compiled_part(compiled, queued, k, head)], k)
 
     def _later(self, launched: list[Launched], head: dict[str, Any], k: int,
                checkpointer: Checkpointer) -> Any:
@@ -174,6 +163,17 @@ class Transfer:
             event.synchronize()
             if deferred is not None:
                 deferred.compare_flags(equal, names)
+
+
+def _compiled_part(compiled: Any, queued: Any, k: int, head: dict[str, Any]
+                   ) -> tuple[list[str], torch.Tensor, int]:
+    """A compiled tap's names and flat hashes on the host (then the sampler values
+    ``queued`` with them, if any), its names put first in ``head``'s checkpoints."""
+    names, hashes, extra = compiled.collect(k, queued)
+    head["checkpoints"] = names + head["checkpoints"]
+    flat = hashes.flatten()
+    return (names, flat if extra is None else torch.cat([flat, extra]),
+            0 if queued is None else queued.extras)
 
 
 def _checked(checkpointer: Checkpointer, device: torch.device) -> list[str]:
